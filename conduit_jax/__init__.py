@@ -1,0 +1,18 @@
+"""Conduit-JAX: the experience path of RL as an explicit data plane (ingest -> place -> deliver).
+
+The public API; every name here is re-exported from the module that defines it.
+"""
+
+from conduit_jax import samplers
+from conduit_jax.errors import (CapacityError, ConduitError, ConfigError, NotEnoughDataError, PriorityError,
+                                SpecError)
+from conduit_jax.plane import ExperienceDataPlane, default_mesh
+from conduit_jax.replay import Delivery
+from conduit_jax.spec import ExperienceSpec
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CapacityError", "ConduitError", "ConfigError", "Delivery", "ExperienceDataPlane", "ExperienceSpec",
+    "NotEnoughDataError", "PriorityError", "SpecError", "default_mesh", "samplers",
+]

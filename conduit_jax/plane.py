@@ -1,0 +1,212 @@
+"""ExperienceDataPlane: the one imperative shell around the pure data plane in ``replay.py``.
+
+The shell owns the state pytree, the compiled kernels (one ingest kernel per batch-size bucket, one sample kernel)
+and donation; it validates every input on the host before anything touches state, so a rejected call leaves the
+state exactly as it was. Everything that must survive a checkpoint is in ``plane.state``.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, Mesh
+
+from conduit_jax import replay, samplers, storage
+from conduit_jax.errors import CapacityError, ConfigError, NotEnoughDataError, SpecError
+from conduit_jax.replay import Delivery, ReplayConfig, ReplayState
+from conduit_jax.spec import ExperienceSpec
+
+DEFAULT_AXIS = "shard"
+
+
+def default_mesh(num_devices: Optional[int] = None, axis: str = DEFAULT_AXIS) -> Mesh:
+    """A 1-D mesh over the first ``num_devices`` local devices (all by default), axis type Auto."""
+    devices = jax.local_devices()
+    num = len(devices) if num_devices is None else num_devices
+    if not 1 <= num <= len(devices):
+        raise ConfigError(f"default_mesh(): num_devices must be in [1, {len(devices)}], got {num_devices}")
+    return jax.make_mesh((num,), (axis,), axis_types=(AxisType.Auto,), devices=devices[:num])
+
+
+class ExperienceDataPlane:
+    """Sharded experience storage with a sampler, behind ``ingest`` / ``sample``.
+
+    Args:
+      spec: an ``ExperienceSpec`` or a pytree of ``jax.ShapeDtypeStruct`` describing one item.
+      capacity: items the plane holds; split evenly over the shards, so a multiple of the shard count.
+      sampler: a ``samplers.*`` policy; default ``samplers.uniform(256)``.
+      mesh: the devices to shard over (every axis of the mesh is used); default every local device on one axis.
+      seed: seeds the sampler's random stream.
+      cast: accept int64/float64 leaves and narrow them to the spec's 32-bit dtypes (x64 is off in JAX).
+    """
+
+    def __init__(self, spec, capacity: int, sampler: Optional[samplers.Sampler] = None, *,
+                 mesh: Optional[Mesh] = None, seed: int = 0, cast: bool = False):
+        self.spec = spec if isinstance(spec, ExperienceSpec) else ExperienceSpec.from_structs(spec)
+        self.sampler = samplers.uniform(256) if sampler is None else sampler
+        if not isinstance(self.sampler, samplers.Sampler):
+            raise ConfigError(f"ExperienceDataPlane(): sampler must be a samplers.Sampler (e.g. "
+                              f"samplers.uniform(256)), got {type(self.sampler).__name__}")
+        self.mesh = default_mesh() if mesh is None else mesh
+        self.cast = bool(cast)
+        config = ReplayConfig(storage.RowLayout.of(self.spec), self.sampler, self.mesh, tuple(self.mesh.axis_names),
+                              capacity if isinstance(capacity, int) else -1)
+        _check_config(config, capacity)
+        self.config = config
+        self._shardings = replay.shardings(config)
+        self.state: ReplayState = jax.jit(functools.partial(replay.init, config, seed),
+                                          out_shardings=self._shardings)()
+        self._ingest_kernels: dict[int, Any] = {}
+        self._sample_kernel = jax.jit(lambda storage_state, sampler_state: replay.sample(
+            config, ReplayState(storage_state, sampler_state)), donate_argnums=(1,))
+        self._status_kernel = jax.jit(functools.partial(replay.status, config))
+        self._known_size = 0  # a lower bound of the stored item count: it never decreases
+        self._timings = {"ingest": [], "sample": []}
+
+    # -- properties ---------------------------------------------------------------------------------------------
+    @property
+    def capacity(self) -> int:
+        return self.config.capacity
+
+    @property
+    def num_shards(self) -> int:
+        return self.config.num_shards
+
+    @property
+    def batch_size(self) -> int:
+        return self.sampler.batch_size
+
+    def __len__(self) -> int:
+        return int(self._status()["size"])
+
+    def __repr__(self) -> str:
+        return (f"ExperienceDataPlane({self.spec}, capacity={self.capacity}, sampler={self.sampler.name}"
+                f"(batch_size={self.batch_size}), shards={self.num_shards})")
+
+    # -- ingest -------------------------------------------------------------------------------------------------
+    def ingest(self, batch) -> None:
+        """Validate a batch (leading item axis on every leaf) and write it into the rings.
+
+        Raises ``SpecError`` for a malformed batch and ``CapacityError`` when a queue would have to overwrite items it
+        has not delivered; either way nothing is written. The plane keeps no reference to NumPy input, so the caller
+        may reuse its buffers as soon as ``ingest`` returns.
+        """
+        n = self.spec.validate(batch, cast=self.cast)
+        if self.sampler.pending is not None:
+            pending = int(self._status()["pending"])
+            if pending + n > self.capacity:
+                raise CapacityError(
+                    f"ingest(): the {self.sampler.name} queue holds {pending} undelivered items of {self.capacity}; "
+                    f"{n} more would overwrite {pending + n - self.capacity} of them. Sample first, or ingest at most "
+                    f"{self.capacity - pending} items")
+        start_time = time.perf_counter()
+        leaves, treedef = jax.tree_util.tree_flatten(batch)
+        chunk = self.capacity  # one kernel call writes at most a full ring per shard
+        for start in range(0, n, chunk):
+            m = min(chunk, n - start)
+            k = storage.bucket_size(m, self.num_shards, self.config.shard_capacity)
+            padded = [_padded(leaf, start, m, self.num_shards * k) for leaf in leaves]
+            kernel = self._ingest_kernel(k)
+            self.state = kernel(self.state, jax.tree_util.tree_unflatten(treedef, padded), np.int32(m))
+        self._timings["ingest"].append(time.perf_counter() - start_time)
+
+    def _ingest_kernel(self, k: int):
+        kernel = self._ingest_kernels.get(k)
+        if kernel is None:
+            kernel = jax.jit(functools.partial(replay.ingest, self.config), donate_argnums=(0,),
+                             out_shardings=self._shardings)
+            self._ingest_kernels[k] = kernel
+        return kernel
+
+    # -- sample -------------------------------------------------------------------------------------------------
+    def sample(self) -> Delivery:
+        """One batch from the sampler: ``Delivery(data, ids, weights)``, sharded over the plane's shard axes.
+
+        Raises ``NotEnoughDataError`` (state unchanged) when the sampler cannot deliver a full batch.
+        """
+        self._check_can_sample()
+        start_time = time.perf_counter()
+        sampler_state, delivery = self._sample_kernel(self.state.storage, self.state.sampler)
+        self.state = ReplayState(self.state.storage, sampler_state)
+        self._timings["sample"].append(time.perf_counter() - start_time)
+        return delivery
+
+    def can_sample(self) -> bool:
+        return self._deliverable() >= self.sampler.min_items
+
+    def _deliverable(self) -> int:
+        if self.sampler.pending is None:
+            if self._known_size < self.sampler.min_items:
+                self._known_size = int(self._status()["size"])
+            return self._known_size
+        return int(self._status()["pending"])
+
+    def _check_can_sample(self) -> None:
+        have = self._deliverable()
+        if have < self.sampler.min_items:
+            what = "undelivered items" if self.sampler.pending is not None else "stored items"
+            raise NotEnoughDataError(
+                f"sample(): the {self.sampler.name} sampler needs at least {self.sampler.min_items} {what} for a batch "
+                f"of {self.batch_size}, the plane has {have}; ingest more first (can_sample() tells without raising)")
+
+    # -- status -------------------------------------------------------------------------------------------------
+    def _status(self) -> dict[str, int]:
+        return {k: int(v) for k, v in jax.device_get(self._status_kernel(self.state)).items()}
+
+    def stats(self) -> dict[str, Any]:
+        """Counters of the plane, read from the state, plus the shell's wall-clock timings per call."""
+        status = self._status()
+        cursor, laps = jax.device_get((self.state.storage.cursor, self.state.storage.laps))
+        inserted = sum(int(l) * self.config.shard_capacity + int(c) for c, l in zip(cursor, laps))
+        out = {
+            "size": status["size"],
+            "capacity": self.capacity,
+            "num_shards": self.num_shards,
+            "items_inserted": inserted,
+            "items_overwritten": inserted - status["size"],
+            "sampler": self.sampler.name,
+            "compiled_ingest_kernels": len(self._ingest_kernels),
+        }
+        if "pending" in status:
+            out["pending"] = status["pending"]
+        for stage, times in self._timings.items():
+            out[f"{stage}_calls"] = len(times)
+            if times:
+                out[f"{stage}_median_s"] = float(np.median(times[-1000:]))
+        return out
+
+
+def _padded(leaf, start: int, m: int, rows: int):
+    """Rows [start, start+m) of a leaf in a fresh array of ``rows`` rows (the tail is padding the kernel masks)."""
+    if isinstance(leaf, jax.Array):
+        part = leaf[start:start + m] if (start or m != leaf.shape[0]) else leaf
+        return part if m == rows else jnp.pad(part, [(0, rows - m)] + [(0, 0)] * (part.ndim - 1))
+    src = np.asarray(leaf)
+    out = np.empty((rows, *src.shape[1:]), src.dtype)
+    out[:m] = src[start:start + m]
+    return out
+
+
+def _check_config(config: ReplayConfig, capacity) -> None:
+    shards = config.num_shards
+    if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1:
+        raise ConfigError(f"ExperienceDataPlane(): capacity must be a positive int, got {capacity!r}")
+    if capacity % shards:
+        lower, upper = capacity - capacity % shards, capacity + shards - capacity % shards
+        raise ConfigError(f"ExperienceDataPlane(): capacity {capacity} is not a multiple of the {shards} shards of "
+                          f"mesh axes {config.axes}; use {upper}" + (f" or {lower}" if lower else ""))
+    batch = config.sampler.batch_size
+    if batch % shards:
+        raise ConfigError(f"ExperienceDataPlane(): batch_size {batch} of the {config.sampler.name} sampler is not a "
+                          f"multiple of the {shards} shards (the batch is delivered sharded); use "
+                          f"{batch + shards - batch % shards}")
+    if config.sampler.min_items > capacity:
+        raise ConfigError(f"ExperienceDataPlane(): the {config.sampler.name} sampler needs {config.sampler.min_items} "
+                          f"items per batch but capacity is {capacity}")
+    if capacity >= 2**31:
+        raise ConfigError(f"ExperienceDataPlane(): capacity must be below 2**31 (int32 row ids), got {capacity}")

@@ -1,0 +1,175 @@
+"""The pure data plane: one state pytree and the ingest / sample / update steps over it, mapped over shards.
+
+``ReplayConfig`` is static (hashable) configuration; ``ReplayState`` holds every counter, so nothing lives on the
+Python side that a checkpoint could miss. Each step is a pure function ``(config, state, ...) -> state'`` whose
+per-shard body runs under ``jax.shard_map``; ``plane.py`` jits them, donates the state and validates input.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from conduit_jax import storage
+from conduit_jax._pytree import state_dataclass
+from conduit_jax.samplers import InsertView, Sampler, ShardView
+from conduit_jax.spec import ExperienceSpec
+
+
+@state_dataclass
+class ReplayState:
+    storage: storage.StorageState
+    sampler: Any
+
+
+class Delivery(NamedTuple):
+    """A sampled batch: ``data`` in the spec's structure with a leading batch axis, ``ids`` int32[B, 2] as
+    (global row, generation), and importance weights float32[B] for prioritized samplers (else None)."""
+
+    data: Any
+    ids: jax.Array
+    weights: Optional[jax.Array]
+
+
+class ReplayConfig(NamedTuple):
+    layout: storage.RowLayout
+    sampler: Sampler
+    mesh: Mesh
+    axes: tuple[str, ...]
+    capacity: int
+
+    @property
+    def num_shards(self) -> int:
+        size = 1
+        for axis in self.axes:
+            size *= self.mesh.shape[axis]
+        return size
+
+    @property
+    def shard_capacity(self) -> int:
+        return self.capacity // self.num_shards
+
+
+def init(config: ReplayConfig, seed: int) -> ReplayState:
+    """Empty state (global arrays; works under ``jax.eval_shape``)."""
+    return ReplayState(
+        storage=storage.init(config.layout, config.capacity, config.num_shards),
+        sampler=config.sampler.init(config.capacity, config.num_shards, seed),
+    )
+
+
+def partition_specs(config: ReplayConfig) -> ReplayState:
+    return ReplayState(storage=storage.partition_specs(config.axes),
+                       sampler=config.sampler.partition_specs(config.axes))
+
+
+def shardings(config: ReplayConfig) -> ReplayState:
+    return jax.tree_util.tree_map(lambda spec: NamedSharding(config.mesh, spec), partition_specs(config),
+                                  is_leaf=lambda x: isinstance(x, P))
+
+
+def _shard_mapped(config: ReplayConfig, fn, in_specs, out_specs):
+    return jax.shard_map(fn, mesh=config.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+
+
+def _shard_index(config: ReplayConfig):
+    return lax.axis_index(config.axes) if config.num_shards > 1 else jnp.zeros((), jnp.int32)
+
+
+def _total(config: ReplayConfig, x):
+    return lax.psum(x, config.axes) if config.num_shards > 1 else x
+
+
+def _shard_view(config: ReplayConfig, st: storage.StorageState) -> ShardView:
+    cursor, laps = st.cursor[0], st.laps[0]
+    count = storage.shard_count(cursor, laps, config.shard_capacity)
+    return ShardView(config.num_shards, config.shard_capacity, config.axes, _shard_index(config), cursor, laps,
+                     _total(config, count))
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# ingest
+# ------------------------------------------------------------------------------------------------------------------
+def ingest(config: ReplayConfig, state: ReplayState, batch, n) -> ReplayState:
+    """Write the first ``n`` items of ``batch`` (padded to ``shards * k`` rows, replicated) into the rings.
+
+    Each shard takes its round-robin share of the batch, packs it and writes it at its own cursor: no item is
+    written twice and no shard waits for another.
+    """
+    specs = partition_specs(config)
+
+    def per_shard(state: ReplayState, batch, n):
+        st = state.storage
+        mine, count = storage.deal(batch, st.next_shard, n, _shard_index(config), config.num_shards)
+        block = config.layout.pack(mine)
+        cursor, laps = st.cursor[0], st.laps[0]
+        rows, new_cursor, new_laps = storage.write(st.rows, cursor, laps, block, count)
+        view = InsertView(config.num_shards, config.shard_capacity, config.axes, cursor, count, n)
+        return ReplayState(
+            storage=storage.StorageState(rows=rows, cursor=new_cursor[None], laps=new_laps[None],
+                                         next_shard=(st.next_shard + n) % config.num_shards),
+            sampler=config.sampler.on_insert(state.sampler, view),
+        )
+
+    return _shard_mapped(config, per_shard, (specs, P(), P()), specs)(state, batch, n)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# sample
+# ------------------------------------------------------------------------------------------------------------------
+def sample(config: ReplayConfig, state: ReplayState) -> tuple[Any, Delivery]:
+    """Draw one batch; returns the new *sampler* state and the delivery. Storage is only read, and is not an
+    output: returning it unchanged from a jitted step would make XLA copy the whole buffer.
+
+    The batch comes back sharded over the shard axes: shard s holds rows
+    ``[s*B/S, (s+1)*B/S)``. Ids, generations and weights travel in the same packed exchange as the rows."""
+    specs = partition_specs(config)
+    layout, num_shards = config.layout, config.num_shards
+
+    def per_shard(state: ReplayState):
+        st = state.storage
+        view = _shard_view(config, st)
+        sampler_state, sel = config.sampler.sample(state.sampler, view)
+        slots = sel.slots
+        rows = storage.gather(st.rows, slots)
+        extra = [view.shard_index * config.shard_capacity + slots,
+                 storage.slot_generation(view.cursor, view.laps, slots)]
+        if sel.weights is not None:
+            extra.append(lax.bitcast_convert_type(sel.weights.astype(jnp.float32), jnp.int32))
+        packed = jnp.concatenate([rows, lax.bitcast_convert_type(jnp.stack(extra, axis=1), jnp.uint32)], axis=1)
+        if sel.owner is not None and num_shards > 1:
+            # every shard drew the same global batch; owners keep their rows, a reduce-scatter deals the blocks
+            packed = jnp.where((sel.owner == view.shard_index)[:, None], packed, jnp.uint32(0))
+            packed = lax.psum_scatter(packed, config.axes, scatter_dimension=0, tiled=True)
+        return sampler_state, packed
+
+    sampler_state, packed = _shard_mapped(config, per_shard, (specs,), (specs.sampler, P(config.axes)))(state)
+    words = layout.row_words
+    data = layout.unpack(packed[:, :words])
+    ids = lax.bitcast_convert_type(packed[:, words:words + 2], jnp.int32)
+    weights = None
+    if packed.shape[1] > words + 2:
+        weights = lax.bitcast_convert_type(packed[:, words + 2], jnp.float32)
+    return sampler_state, Delivery(data, ids, weights)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# host-side status: the few scalars the shell needs to refuse a call before it runs
+# ------------------------------------------------------------------------------------------------------------------
+def size(config: ReplayConfig, state: ReplayState):
+    """Valid items in the whole buffer (global computation over the per-shard counters)."""
+    counts = storage.shard_count(state.storage.cursor, state.storage.laps, config.shard_capacity)
+    return jnp.sum(counts)
+
+
+def status(config: ReplayConfig, state: ReplayState) -> dict[str, jax.Array]:
+    out = {"size": size(config, state)}
+    if config.sampler.pending is not None:
+        out["pending"] = config.sampler.pending(state.sampler)
+    return out

@@ -1,0 +1,172 @@
+"""ExperienceSpec: the names, dtypes and per-item shapes of the experience a plane stores, and batch validation.
+
+A spec is built once, from one example item or from a pytree of ``jax.ShapeDtypeStruct``; every batch that enters the
+plane is checked against it before it touches state. A batch has a leading item axis on every leaf.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from conduit_jax.errors import SpecError
+
+# Dtypes the packed row storage can hold. 64-bit types are not among them: with x64 off JAX narrows them silently.
+SUPPORTED_DTYPES = tuple(
+    np.dtype(d) for d in (np.bool_, np.uint8, np.int8, np.uint16, np.int16, np.uint32, np.int32, np.float16,
+                          jnp.bfloat16, np.float32)
+)
+_WIDE_TO_NARROW = {np.dtype(np.int64): np.dtype(np.int32), np.dtype(np.uint64): np.dtype(np.uint32),
+                   np.dtype(np.float64): np.dtype(np.float32)}
+
+
+def leaf_name(path) -> str:
+    """'obs/pixels' for the key path of a nested dict leaf; '[0]' parts for sequences."""
+    parts = []
+    for key in path:
+        if isinstance(key, jax.tree_util.DictKey):
+            parts.append(str(key.key))
+        elif isinstance(key, jax.tree_util.GetAttrKey):
+            parts.append(key.name)
+        elif isinstance(key, jax.tree_util.SequenceKey):
+            parts.append(f"[{key.idx}]")
+        else:
+            parts.append(str(key))
+    return "/".join(parts) or "<root>"
+
+
+def _dtype_of(x) -> np.dtype:
+    return np.dtype(getattr(x, "dtype", None) or np.asarray(x).dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExperienceSpec:
+    """Per-item structure of experience: a pytree of ``jax.ShapeDtypeStruct`` without the item axis.
+
+    Hashable and immutable, so it can be a static argument and a cache key.
+    """
+
+    treedef: Any
+    names: tuple[str, ...]  # one per leaf, in tree-flatten order
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[np.dtype, ...]
+
+    # -- construction -----------------------------------------------------------------------------------------------
+    @classmethod
+    def from_structs(cls, structs) -> "ExperienceSpec":
+        """From a pytree whose leaves have ``.shape`` and ``.dtype`` (``jax.ShapeDtypeStruct``, arrays)."""
+        flat, treedef = jax.tree_util.tree_flatten_with_path(structs)
+        if not flat:
+            raise SpecError("ExperienceSpec: the item has no leaves; expected at least one array (e.g. {'obs': ...})")
+        names, shapes, dtypes, problems = [], [], [], []
+        for path, leaf in flat:
+            name = leaf_name(path)
+            dtype = _dtype_of(leaf)
+            if dtype not in SUPPORTED_DTYPES:
+                hint = (f"; cast it to {_WIDE_TO_NARROW[dtype]} (JAX runs with x64 off)" if dtype in _WIDE_TO_NARROW
+                        else "")
+                problems.append(f"leaf '{name}' has dtype {dtype}, expected one of "
+                                f"{', '.join(str(d) for d in SUPPORTED_DTYPES)}{hint}")
+            names.append(name)
+            shapes.append(tuple(int(d) for d in np.shape(leaf)))
+            dtypes.append(dtype)
+        if problems:
+            raise SpecError("ExperienceSpec: " + "; ".join(problems))
+        return cls(treedef, tuple(names), tuple(shapes), tuple(dtypes))
+
+    @classmethod
+    def from_example(cls, item, *, cast: bool = False) -> "ExperienceSpec":
+        """From one example item (no leading item axis). Python scalars become 0-d leaves.
+
+        With ``cast=True`` 64-bit leaves are recorded as their 32-bit counterparts (batches are then cast at ingest).
+        """
+        def as_struct(x):
+            dtype = _dtype_of(x)
+            if isinstance(x, bool):
+                dtype = np.dtype(np.bool_)
+            elif isinstance(x, int):
+                dtype = np.dtype(np.int32)
+            elif isinstance(x, float):
+                dtype = np.dtype(np.float32)
+            if cast:
+                dtype = _WIDE_TO_NARROW.get(dtype, dtype)
+            return jax.ShapeDtypeStruct(np.shape(x), dtype)
+
+        return cls.from_structs(jax.tree_util.tree_map(as_struct, item))
+
+    # -- derived views --------------------------------------------------------------------------------------------
+    @property
+    def structs(self):
+        """The spec as a pytree of ``jax.ShapeDtypeStruct`` (one item)."""
+        return jax.tree_util.tree_unflatten(
+            self.treedef, [jax.ShapeDtypeStruct(s, d) for s, d in zip(self.shapes, self.dtypes)])
+
+    @property
+    def item_bytes(self) -> int:
+        """Raw bytes of one item, summed over leaves."""
+        return sum(int(np.prod(s, dtype=np.int64)) * d.itemsize for s, d in zip(self.shapes, self.dtypes))
+
+    def batch_structs(self, n: int):
+        """ShapeDtypeStructs of a batch of ``n`` items."""
+        return jax.tree_util.tree_unflatten(
+            self.treedef, [jax.ShapeDtypeStruct((n, *s), d) for s, d in zip(self.shapes, self.dtypes)])
+
+    def __str__(self) -> str:
+        leaves = ", ".join(f"{n}: {d}{list(s)}" for n, s, d in zip(self.names, self.shapes, self.dtypes))
+        return f"ExperienceSpec({leaves})"
+
+    # -- validation -----------------------------------------------------------------------------------------------
+    def validate(self, batch, *, cast: bool = False, where: str = "ingest()") -> int:
+        """Check keys, dtypes and trailing shapes of a batch with a leading item axis; return the item count.
+
+        Every bad leaf is collected before one ``SpecError`` is raised, so a user fixes them all at once. With
+        ``cast=True`` 64-bit leaves whose narrow type matches the spec are accepted (the plane casts them).
+        """
+        try:
+            flat, treedef = jax.tree_util.tree_flatten_with_path(batch)
+        except Exception as exc:  # pragma: no cover - tree_flatten accepts nearly anything
+            raise SpecError(f"{where}: the batch is not a pytree ({exc})") from None
+        if treedef != self.treedef:
+            got = {leaf_name(p) for p, _ in flat}
+            want = set(self.names)
+            parts = []
+            if want - got:
+                parts.append(f"missing leaves {sorted(want - got)}")
+            if got - want:
+                parts.append(f"unexpected leaves {sorted(got - want)}")
+            if not parts:
+                parts.append(f"structure {treedef} but the spec says {self.treedef}")
+            raise SpecError(f"{where}: batch has " + " and ".join(parts) + f"; the spec is {self}")
+        problems, counts = [], []
+        for (path, leaf), name, shape, dtype in zip(flat, self.names, self.shapes, self.dtypes):
+            if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
+                problems.append(f"leaf '{name}' is a {type(leaf).__name__}, expected an array with a leading item axis")
+                continue
+            got_dtype = np.dtype(leaf.dtype)
+            if got_dtype != dtype:
+                if cast and _WIDE_TO_NARROW.get(got_dtype) == dtype:
+                    pass
+                elif got_dtype in _WIDE_TO_NARROW and _WIDE_TO_NARROW[got_dtype] == dtype:
+                    problems.append(f"leaf '{name}' has dtype {got_dtype} but the spec says {dtype}: cast it "
+                                    f"(x.astype(np.{dtype})) or build the plane with cast=True (x64 is off)")
+                else:
+                    problems.append(f"leaf '{name}' has dtype {got_dtype} but the spec says {dtype}")
+            got_shape = tuple(leaf.shape)
+            if len(got_shape) != len(shape) + 1 or got_shape[1:] != shape:
+                problems.append(f"leaf '{name}' has shape {got_shape}; expected (n, {', '.join(map(str, shape))}"
+                                f"{',' if len(shape) == 0 else ''}) with a leading item axis "
+                                f"(trailing shape {shape})")
+                continue
+            counts.append(got_shape[0])
+        if not problems and len(set(counts)) > 1:
+            sizes = ", ".join(f"'{n}': {c}" for n, c in zip(self.names, counts))
+            problems.append(f"leaves disagree on the number of items ({sizes})")
+        if not problems and counts[0] == 0:
+            problems.append("the batch is empty (0 items); send at least one item")
+        if problems:
+            raise SpecError(f"{where}: " + "; ".join(problems))
+        return int(counts[0])
