@@ -17,7 +17,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh
 
 from conduit_jax import replay, samplers, storage
-from conduit_jax.errors import CapacityError, ConfigError, NotEnoughDataError, SpecError
+from conduit_jax.errors import CapacityError, ConfigError, NotEnoughDataError, PriorityError
 from conduit_jax.replay import Delivery, ReplayConfig, ReplayState
 from conduit_jax.spec import ExperienceSpec
 
@@ -65,8 +65,9 @@ class ExperienceDataPlane:
         self._sample_kernel = jax.jit(lambda storage_state, sampler_state: replay.sample(
             config, ReplayState(storage_state, sampler_state)), donate_argnums=(1,))
         self._status_kernel = jax.jit(functools.partial(replay.status, config))
+        self._update_kernel = jax.jit(functools.partial(replay.update, config))
         self._known_size = 0  # a lower bound of the stored item count: it never decreases
-        self._timings = {"ingest": [], "sample": []}
+        self._timings = {"ingest": [], "sample": [], "update": []}
 
     # -- properties ---------------------------------------------------------------------------------------------
     @property
@@ -154,6 +155,30 @@ class ExperienceDataPlane:
                 f"sample(): the {self.sampler.name} sampler needs at least {self.sampler.min_items} {what} for a batch "
                 f"of {self.batch_size}, the plane has {have}; ingest more first (can_sample() tells without raising)")
 
+    # -- priorities -----------------------------------------------------------------------------------------------
+    def update_priorities(self, ids, priorities) -> None:
+        """Set the priorities of delivered items: ``ids`` int32[m, 2] as in ``Delivery.ids``, ``priorities`` [m].
+
+        NaN, infinite or negative priorities, ids of the wrong shape or out of range raise ``PriorityError`` and
+        change nothing. An id whose slot has been rewritten since it was delivered is ignored (never applied to the
+        new item) and counted in ``stats()['priority_updates_ignored']``.
+        """
+        if self.sampler.update is None:
+            raise ConfigError(f"update_priorities(): the {self.sampler.name} sampler has no priorities; build the "
+                              f"plane with samplers.prioritized(...) to use them")
+        ids_np, prio_np = _checked_priority_update(ids, priorities, self.capacity)
+        m = ids_np.shape[0]
+        bucket = 1 << max(0, (m - 1).bit_length())
+        ids_pad = np.zeros((bucket, 2), np.int32)
+        ids_pad[:m] = ids_np
+        prio_pad = np.zeros((bucket,), np.float32)
+        prio_pad[:m] = prio_np
+        valid = np.arange(bucket) < m
+        start_time = time.perf_counter()
+        sampler_state = self._update_kernel(self.state, ids_pad, prio_pad, valid)
+        self.state = ReplayState(self.state.storage, sampler_state)
+        self._timings["update"].append(time.perf_counter() - start_time)
+
     # -- status -------------------------------------------------------------------------------------------------
     def _status(self) -> dict[str, int]:
         return {k: int(v) for k, v in jax.device_get(self._status_kernel(self.state)).items()}
@@ -172,8 +197,9 @@ class ExperienceDataPlane:
             "sampler": self.sampler.name,
             "compiled_ingest_kernels": len(self._ingest_kernels),
         }
-        if "pending" in status:
-            out["pending"] = status["pending"]
+        for key in ("pending", "priority_updates_ignored"):
+            if key in status:
+                out[key] = status[key]
         for stage, times in self._timings.items():
             out[f"{stage}_calls"] = len(times)
             if times:
@@ -190,6 +216,33 @@ def _padded(leaf, start: int, m: int, rows: int):
     out = np.empty((rows, *src.shape[1:]), src.dtype)
     out[:m] = src[start:start + m]
     return out
+
+
+def _checked_priority_update(ids, priorities, capacity: int):
+    where = "update_priorities()"
+    ids_np, prio_np = np.asarray(ids), np.asarray(priorities)
+    if ids_np.ndim != 2 or ids_np.shape[1] != 2 or not np.issubdtype(ids_np.dtype, np.integer):
+        raise PriorityError(f"{where}: ids must be an integer array of shape (m, 2) as in Delivery.ids, got "
+                            f"{ids_np.dtype}{list(ids_np.shape)}")
+    if prio_np.shape != (ids_np.shape[0],):
+        raise PriorityError(f"{where}: priorities must have shape ({ids_np.shape[0]},), one per id, got "
+                            f"{list(prio_np.shape)}")
+    if ids_np.shape[0] == 0:
+        raise PriorityError(f"{where}: ids is empty; pass at least one id")
+    if not np.issubdtype(prio_np.dtype, np.number) or np.issubdtype(prio_np.dtype, np.complexfloating):
+        raise PriorityError(f"{where}: priorities must be real numbers, got dtype {prio_np.dtype}")
+    prio_np = prio_np.astype(np.float32)
+    bad = ~np.isfinite(prio_np) | (prio_np < 0)
+    if bad.any():
+        i = int(np.argmax(bad))
+        raise PriorityError(f"{where}: priorities must be finite and >= 0; {int(bad.sum())} are not, the first at "
+                            f"index {i} is {prio_np[i]}")
+    rows, generations = ids_np[:, 0], ids_np[:, 1]
+    if (rows < 0).any() or (rows >= capacity).any() or (generations < 1).any():
+        i = int(np.argmax((rows < 0) | (rows >= capacity) | (generations < 1)))
+        raise PriorityError(f"{where}: ids[{i}] = {ids_np[i].tolist()} is not an id of this plane (rows are in "
+                            f"[0, {capacity}), generations >= 1)")
+    return ids_np.astype(np.int32), prio_np
 
 
 def _check_config(config: ReplayConfig, capacity) -> None:

@@ -65,8 +65,10 @@ def init(config: ReplayConfig, seed: int) -> ReplayState:
 
 
 def partition_specs(config: ReplayConfig) -> ReplayState:
-    return ReplayState(storage=storage.partition_specs(config.axes),
-                       sampler=config.sampler.partition_specs(config.axes))
+    """One convention for the whole state: 0-d leaves are replicated, every other leaf is per shard (shard-major on
+    its first axis) and split over the shard axes."""
+    abstract = jax.eval_shape(functools.partial(init, config, 0))
+    return jax.tree_util.tree_map(lambda leaf: P() if leaf.ndim == 0 else P(config.axes), abstract)
 
 
 def shardings(config: ReplayConfig) -> ReplayState:
@@ -110,7 +112,10 @@ def ingest(config: ReplayConfig, state: ReplayState, batch, n) -> ReplayState:
         block = config.layout.pack(mine)
         cursor, laps = st.cursor[0], st.laps[0]
         rows, new_cursor, new_laps = storage.write(st.rows, cursor, laps, block, count)
-        view = InsertView(config.num_shards, config.shard_capacity, config.axes, cursor, count, n)
+        k = block.shape[0]
+        slots = (cursor + lax.iota(jnp.int32, k)) % config.shard_capacity
+        view = InsertView(config.num_shards, config.shard_capacity, config.axes, slots, lax.iota(jnp.int32, k) < count,
+                          mine, n)
         return ReplayState(
             storage=storage.StorageState(rows=rows, cursor=new_cursor[None], laps=new_laps[None],
                                          next_shard=(st.next_shard + n) % config.num_shards),
@@ -140,8 +145,8 @@ def sample(config: ReplayConfig, state: ReplayState) -> tuple[Any, Delivery]:
         rows = storage.gather(st.rows, slots)
         extra = [view.shard_index * config.shard_capacity + slots,
                  storage.slot_generation(view.cursor, view.laps, slots)]
-        if sel.weights is not None:
-            extra.append(lax.bitcast_convert_type(sel.weights.astype(jnp.float32), jnp.int32))
+        if sel.probability is not None:
+            extra.append(lax.bitcast_convert_type(sel.probability.astype(jnp.float32), jnp.int32))
         packed = jnp.concatenate([rows, lax.bitcast_convert_type(jnp.stack(extra, axis=1), jnp.uint32)], axis=1)
         if sel.owner is not None and num_shards > 1:
             # every shard drew the same global batch; owners keep their rows, a reduce-scatter deals the blocks
@@ -155,8 +160,24 @@ def sample(config: ReplayConfig, state: ReplayState) -> tuple[Any, Delivery]:
     ids = lax.bitcast_convert_type(packed[:, words:words + 2], jnp.int32)
     weights = None
     if packed.shape[1] > words + 2:
-        weights = lax.bitcast_convert_type(packed[:, words + 2], jnp.float32)
+        probability = lax.bitcast_convert_type(packed[:, words + 2], jnp.float32)
+        weights = config.sampler.weigh(sampler_state, probability, size(config, state))
     return sampler_state, Delivery(data, ids, weights)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# priority update
+# ------------------------------------------------------------------------------------------------------------------
+def update(config: ReplayConfig, state: ReplayState, ids, priorities, valid):
+    """Apply priorities to the items named by ``ids`` (int32[m, 2]) where ``valid``; returns the new sampler state.
+    Each shard applies the ids it owns; an id whose slot has been rewritten since is ignored and counted."""
+    specs = partition_specs(config)
+
+    def per_shard(state: ReplayState, ids, priorities, valid):
+        view = _shard_view(config, state.storage)
+        return config.sampler.update(state.sampler, view, ids, priorities, valid)
+
+    return _shard_mapped(config, per_shard, (specs, P(), P(), P()), specs.sampler)(state, ids, priorities, valid)
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -170,6 +191,9 @@ def size(config: ReplayConfig, state: ReplayState):
 
 def status(config: ReplayConfig, state: ReplayState) -> dict[str, jax.Array]:
     out = {"size": size(config, state)}
+    ignored = getattr(state.sampler, "ignored_updates", None)
+    if ignored is not None:
+        out["priority_updates_ignored"] = ignored
     if config.sampler.pending is not None:
         out["pending"] = config.sampler.pending(state.sampler)
     return out

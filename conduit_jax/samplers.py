@@ -20,8 +20,8 @@ from typing import Any, Callable, NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import PartitionSpec as P
 
+from conduit_jax import storage, sumtree
 from conduit_jax._pytree import state_dataclass
 from conduit_jax.errors import ConfigError
 
@@ -39,30 +39,32 @@ class ShardView(NamedTuple):
 
 
 class InsertView(NamedTuple):
-    """What ``on_insert`` learns about one ingest: this shard wrote ``count`` rows from slot ``first``."""
+    """What ``on_insert`` learns about one ingest on this shard: ``slots[i]`` received ``items[i]`` where ``valid``."""
 
     num_shards: int
     shard_capacity: int
     axes: tuple[str, ...]
-    first: jax.Array  # int32[]: slot of this shard's first new row
-    count: jax.Array  # int32[]: rows this shard wrote
+    slots: jax.Array  # int32[k]: ring slots of this shard's rows of the batch (padding rows included)
+    valid: jax.Array  # bool[k]: rows that hold an item (the rest is padding)
+    items: Any  # this shard's items of the batch, spec structure, leading axis k
     total: jax.Array  # int32[]: items the whole batch held
 
 
 class Selection(NamedTuple):
     slots: jax.Array  # int32[B] (global draws) or int32[B // shards] (shard-local): slots in the owner's ring
     owner: Optional[jax.Array]  # int32[B]: shard that owns each draw, or None for shard-local selections
-    weights: Optional[jax.Array]  # float32, same leading size as slots, or None
+    probability: Optional[jax.Array]  # float32[B]: P(draw) for weighted samplers (becomes importance weights), or None
 
 
 class Sampler(NamedTuple):
     """A named sampling policy: static config closed over, state explicit.
 
-    init(capacity, num_shards, seed) -> state (global; works under ``jax.eval_shape``)
-    partition_specs(axes) -> a state-shaped pytree of PartitionSpecs
+    init(capacity, num_shards, seed) -> state (global; works under ``jax.eval_shape``). Placement convention: 0-d
+        leaves are replicated, every other leaf is per shard, laid out shard-major on its first axis.
     on_insert(state, InsertView) -> state                          (per shard)
     sample(state, ShardView) -> (state, Selection)                 (per shard)
-    update(state, ShardView, slots, live, priorities) -> state     (per shard; None without priorities)
+    update(state, ShardView, ids, priorities, valid) -> state      (per shard; None for samplers without priorities)
+    weigh(state, probability, size) -> importance weights          (global; None when selections carry no weights)
     pending(state) -> int32[]: undelivered items, for samplers that consume what they deliver (queues); None for
         the others, whose deliverable items are simply the stored ones (a count that never decreases)
     """
@@ -71,11 +73,11 @@ class Sampler(NamedTuple):
     batch_size: int
     min_items: int  # sample() needs available >= min_items
     init: Callable[[int, int, int], Any]
-    partition_specs: Callable[[tuple[str, ...]], Any]
     on_insert: Callable[[Any, InsertView], Any]
     sample: Callable[[Any, ShardView], tuple[Any, Selection]]
     update: Optional[Callable[..., Any]] = None
     pending: Optional[Callable[[Any], jax.Array]] = None
+    weigh: Optional[Callable[[Any, jax.Array, jax.Array], jax.Array]] = None
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -134,10 +136,6 @@ def _random_state(seed: int) -> RandomState:
     return RandomState(key=seed_key(seed), counter=jnp.zeros((), jnp.uint32))
 
 
-def _replicated(axes):
-    return RandomState(key=P(), counter=P())
-
-
 def uniform(batch_size: int) -> Sampler:
     """Uniform sampling with replacement over every valid item of the whole buffer."""
     _check_batch_size(batch_size, "uniform")
@@ -150,7 +148,6 @@ def uniform(batch_size: int) -> Sampler:
     return Sampler(
         name="uniform", batch_size=batch_size, min_items=1,
         init=lambda capacity, num_shards, seed: _random_state(seed),
-        partition_specs=_replicated,
         on_insert=lambda state, view: state,
         sample=sample,
     )
@@ -218,7 +215,6 @@ def epochs(batch_size: int) -> Sampler:
     return Sampler(
         name="epochs", batch_size=batch_size, min_items=batch_size,
         init=init,
-        partition_specs=lambda axes: EpochState(P(), P(), P(), P()),
         on_insert=on_insert,
         sample=sample,
     )
@@ -254,8 +250,104 @@ def fifo(batch_size: int) -> Sampler:
     return Sampler(
         name="fifo", batch_size=batch_size, min_items=batch_size,
         init=init,
-        partition_specs=lambda axes: QueueState(P(), P()),
         on_insert=on_insert,
         sample=sample,
         pending=lambda state: state.pending,
     )
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Prioritized: P(i) = p_i^alpha / sum_k p_k^alpha over the whole buffer (PER)
+# ------------------------------------------------------------------------------------------------------------------
+@state_dataclass
+class PriorityState:
+    key: jax.Array  # uint32[]
+    counter: jax.Array  # uint32[]: sample calls so far (also the step of a beta schedule)
+    levels: tuple  # per-shard sum trees of p^alpha, level l float32[shards * K**l] (see sumtree.py)
+    max_priority: jax.Array  # float32[]: largest priority seen; new items get it
+    ignored_updates: jax.Array  # int32[]: priority updates dropped because their item was overwritten
+
+
+def _all_shards(x, view):
+    """The per-shard scalar ``x`` of every shard, [S] in shard order: the one small collective of a global draw."""
+    if view.num_shards == 1:
+        return x[None]
+    return lax.all_gather(x, view.axes, tiled=False).reshape(view.num_shards)
+
+
+def _as_schedule(value, name: str):
+    if callable(value):
+        return value
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise ConfigError(f"samplers.prioritized(): {name} must be a number or a schedule step -> value, got {value!r}")
+    return lambda step: jnp.float32(value)
+
+
+def _priority_sampler(name: str, batch_size: int, alpha: float, beta, eps: float, on_insert) -> Sampler:
+    """The sum-tree sampler shared by item and sequence replay; ``on_insert`` decides which slots become eligible."""
+    beta_at = _as_schedule(beta, "beta")
+
+    def init(capacity, num_shards, seed):
+        base = _random_state(seed)
+        return PriorityState(key=base.key, counter=base.counter,
+                             levels=sumtree.init(capacity // num_shards, num_shards),
+                             max_priority=jnp.ones((), jnp.float32), ignored_updates=jnp.zeros((), jnp.int32))
+
+    def sample(state: PriorityState, view: ShardView):
+        masses = _all_shards(sumtree.total(state.levels), view)
+        mass = jnp.sum(masses)
+        # stratified: draw j lands in [j, j+1) * mass / B, so a batch covers the whole mass range
+        unit = random_unit(random_bits(state.key, state.counter, batch_size))
+        targets = (lax.iota(jnp.float32, batch_size) + unit) * (mass / batch_size)
+        owner, local, _ = sumtree.pick(jnp.broadcast_to(masses, (batch_size, view.num_shards)), targets)
+        slot, leaf = sumtree.descend(state.levels, local)
+        probability = leaf / mass
+        new_state = PriorityState(state.key, state.counter + 1, state.levels, state.max_priority,
+                                  state.ignored_updates)
+        return new_state, Selection(slot, owner, probability)
+
+    def weigh(state: PriorityState, probability, size):
+        """Importance weights (N * P(i))^-beta, normalised by the batch maximum (so every weight is in (0, 1])."""
+        step = state.counter - 1  # sample() has already advanced the counter
+        w = jnp.power(size.astype(jnp.float32) * probability, -beta_at(step))
+        return w / jnp.max(w)
+
+    def update(state: PriorityState, view: ShardView, ids, priorities, valid):
+        rows, generation = ids[:, 0], ids[:, 1]
+        slot = rows % view.shard_capacity
+        mine = valid & (rows // view.shard_capacity == view.shard_index)
+        current = sumtree.leaf_values(state.levels, slot)
+        # an id whose slot was rewritten since it was sampled names another item now: ignore it, never apply it
+        live = mine & (generation == storage.slot_generation(view.cursor, view.laps, slot)) & (current > 0)
+        values = jnp.power(priorities + eps, alpha)
+        levels = sumtree.set_leaves(state.levels, slot, values, live)
+        top = jnp.max(jnp.where(live, priorities, 0.0))
+        ignored = jnp.sum(mine & ~live).astype(jnp.int32)
+        if view.num_shards > 1:
+            top, ignored = lax.pmax(top, view.axes), lax.psum(ignored, view.axes)
+        return PriorityState(state.key, state.counter, levels, jnp.maximum(state.max_priority, top),
+                             state.ignored_updates + ignored)
+
+    return Sampler(name=name, batch_size=batch_size, min_items=1, init=init,
+                   on_insert=on_insert, sample=sample, update=update, weigh=weigh)
+
+
+def prioritized(batch_size: int, alpha: float = 0.6, beta=0.4, eps: float = 1e-6) -> Sampler:
+    """Prioritized experience replay over the whole buffer: P(i) = (p_i + eps)^alpha / sum_k (p_k + eps)^alpha,
+    stratified draws, importance weights (N * P(i))^-beta normalised by the batch maximum. ``beta`` may be a schedule
+    (a function of the sample step, e.g. ``optax.linear_schedule(0.4, 1.0, 100_000)``). New items get the largest
+    priority seen so far."""
+    _check_batch_size(batch_size, "prioritized")
+    if not alpha >= 0:
+        raise ConfigError(f"samplers.prioritized(): alpha must be >= 0, got {alpha!r}")
+    if not eps > 0:
+        raise ConfigError(f"samplers.prioritized(): eps must be > 0 (it keeps every live item sampleable), got {eps!r}")
+    if not callable(beta) and not (isinstance(beta, (int, float)) and beta >= 0):
+        raise ConfigError(f"samplers.prioritized(): beta must be >= 0 or a schedule, got {beta!r}")
+
+    def on_insert(state: PriorityState, view: InsertView):
+        value = jnp.power(state.max_priority + eps, alpha)
+        levels = sumtree.set_leaves(state.levels, view.slots, jnp.full(view.slots.shape, value), view.valid)
+        return PriorityState(state.key, state.counter, levels, state.max_priority, state.ignored_updates)
+
+    return _priority_sampler("prioritized", batch_size, alpha, beta, eps, on_insert)

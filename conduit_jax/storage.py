@@ -25,7 +25,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import PartitionSpec as P
 
 from conduit_jax._pytree import state_dataclass
 from conduit_jax.spec import ExperienceSpec
@@ -112,11 +111,6 @@ class StorageState:
     cursor: jax.Array  # int32[shards]: next slot each shard writes
     laps: jax.Array  # int32[shards]: completed passes of each shard's ring
     next_shard: jax.Array  # int32[]: the shard that receives the next ingested item (round robin)
-
-
-def partition_specs(axes: tuple[str, ...]) -> StorageState:
-    """PartitionSpecs of ``StorageState``: everything per shard except the replicated round-robin pointer."""
-    return StorageState(rows=P(axes), cursor=P(axes), laps=P(axes), next_shard=P())
 
 
 def init(layout: RowLayout, capacity: int, num_shards: int) -> StorageState:

@@ -1,0 +1,89 @@
+"""Per-shard priority index: a K-ary sum tree stored level by level, float32-safe by construction.
+
+Levels. ``levels[0]`` is the root ``[1]``, ``levels[L]`` the leaves ``[K**L]`` (slots past the shard's ring hold 0).
+A draw descends one level at a time and reads one contiguous ``[K]`` block per level, so a 1M-slot shard with K=16 is
+5 block reads per draw instead of 20 dependent scalar reads of a binary tree.
+
+Float32 safety. Nodes are never updated by adding deltas (the drift that makes long-running float32 sum trees return
+empty or zero-priority slots). A changed leaf refreshes each ancestor as the float32 sum of its K children's *current*
+values, so every node always equals the sum of its children as float32 computes it, whatever happened before. The
+descent then only ever steps into a child with positive mass: a rounding overshoot falls back to the last positive
+child, a negative remainder is clamped to 0. Zero-mass leaves (empty slots, ineligible items) are never returned.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+ARITY = 16
+
+
+def depth(num_leaves: int, arity: int = ARITY) -> int:
+    """Levels below the root needed for ``num_leaves`` leaves (at least one)."""
+    return max(1, math.ceil(math.log(max(num_leaves, 2)) / math.log(arity) - 1e-9))
+
+
+def init(num_leaves: int, num_shards: int = 1, arity: int = ARITY) -> tuple[jax.Array, ...]:
+    """Zero trees for ``num_shards`` shards of ``num_leaves`` leaves each: level l is float32[shards * arity**l]."""
+    return tuple(jnp.zeros((num_shards * arity**level,), jnp.float32) for level in range(depth(num_leaves, arity) + 1))
+
+
+def total(levels) -> jax.Array:
+    """The shard's total mass (the root)."""
+    return levels[0][0]
+
+
+def pick(block, target):
+    """Index of the child of ``block`` [..., K] (non-negative masses) whose cumulative range holds ``target``, and the
+    remainder of the target inside that child. Never returns a zero-mass child while the block has positive mass."""
+    k = block.shape[-1]
+    target = jnp.maximum(target, 0.0)
+    cum = jnp.cumsum(block, axis=-1)
+    child = jnp.sum((cum <= target[..., None]).astype(jnp.int32), axis=-1)
+    positive = block > 0
+    last_positive = k - 1 - jnp.argmax(positive[..., ::-1], axis=-1).astype(jnp.int32)
+    chosen = jnp.take_along_axis(block, jnp.clip(child, 0, k - 1)[..., None], axis=-1)[..., 0]
+    child = jnp.where((child >= k) | (chosen <= 0), last_positive, child)
+    before = jnp.take_along_axis(cum - block, child[..., None], axis=-1)[..., 0]
+    mass = jnp.take_along_axis(block, child[..., None], axis=-1)[..., 0]
+    return child, jnp.clip(target - before, 0.0, mass), mass
+
+
+def descend(levels, targets, arity: int = ARITY):
+    """Leaf slot and leaf mass for each target in [0, total): one [K] block read per level per target."""
+    node = jnp.zeros(targets.shape, jnp.int32)
+    mass = jnp.zeros(targets.shape, jnp.float32)
+    offsets = lax.iota(jnp.int32, arity)
+    for level in levels[1:]:
+        block = level.at[node[..., None] * arity + offsets].get(mode="promise_in_bounds")
+        child, targets, mass = pick(block, targets)
+        node = node * arity + child
+    return node, mass
+
+
+def set_leaves(levels, slots, values, valid, arity: int = ARITY):
+    """Set leaves ``slots`` (where ``valid``) to ``values`` and refresh their ancestors from their children.
+
+    Duplicate slots are allowed (one of the values wins); invalid entries change nothing.
+    """
+    levels = list(levels)
+    leaves = levels[-1]
+    out_of_range = leaves.shape[0]  # dropped by the scatter
+    target = jnp.where(valid, slots, out_of_range)
+    levels[-1] = leaves.at[target].set(values.astype(jnp.float32), mode="drop")
+    node = slots
+    offsets = lax.iota(jnp.int32, arity)
+    for index in range(len(levels) - 2, -1, -1):
+        node = node // arity
+        children = levels[index + 1].at[node[:, None] * arity + offsets].get(mode="promise_in_bounds")
+        sums = jnp.sum(children, axis=-1)
+        levels[index] = levels[index].at[jnp.where(valid, node, levels[index].shape[0])].set(sums, mode="drop")
+    return tuple(levels)
+
+
+def leaf_values(levels, slots):
+    return levels[-1].at[slots].get(mode="promise_in_bounds")
