@@ -323,7 +323,9 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"  items delivered {summary['items_delivered']:>10,}  ({summary['batches_delivered']} batches x "
         f"{c['batch_size']})",
         f"  items stored    {summary['items_stored']:>10,}",
-        f"  overwritten     {summary['items_overwritten']:>10,}",
+        f"  overwritten     {summary['items_overwritten']:>10,}"
+        + ("  (slots reused after delivery: a queue never overwrites an undelivered item)"
+           if c["sampler"] == "fifo" and summary["items_overwritten"] else ""),
     ]
     if summary["learner_steps"]:
         lines.append(f"  learner         {summary['learner_steps']} DQN steps, TD loss {summary['loss_first']:.4f} -> "
@@ -337,8 +339,10 @@ def format_summary(summary: dict[str, Any]) -> str:
         lines.append(f"  latency per stage over {summary['steady_iterations']} steady iterations (us, each stage "
                      f"blocked; stages run one after another):")
         lines.append(f"    {'stage':<10} {'median':>10} {'p99':>10}")
+        notes = {"actors": f"{c['num_actors']} actors step their envs", "ingest": f"{c['num_actors']} ingest calls",
+                 "sample": "1 batch", "learner": "1 jitted DQN step", "iteration": "the four stages"}
         for stage, row in table.items():
-            lines.append(f"    {stage:<10} {row['median']:>10.0f} {row['p99']:>10.0f}")
+            lines.append(f"    {stage:<10} {row['median']:>10.0f} {row['p99']:>10.0f}   {notes[stage]}")
         lines.append(f"  experience path (ingest + sample) share of the iteration: "
                      f"{100 * summary['experience_path_share']:.1f}%")
     lines.append(f"  wall time {summary['wall_s']:.1f} s")

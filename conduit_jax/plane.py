@@ -17,7 +17,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh
 
 from conduit_jax import replay, samplers, storage
-from conduit_jax.errors import CapacityError, ConfigError, NotEnoughDataError, PriorityError
+from conduit_jax.errors import CapacityError, ConfigError, NotEnoughDataError, PriorityError, SpecError
 from conduit_jax.replay import Delivery, ReplayConfig, ReplayState
 from conduit_jax.spec import ExperienceSpec
 
@@ -98,8 +98,12 @@ class ExperienceDataPlane:
         may reuse its buffers as soon as ``ingest`` returns.
         """
         n = self.spec.validate(batch, cast=self.cast)
-        if self.sampler.pending is not None:
-            pending = int(self._status()["pending"])
+        if n % self.sampler.streams:
+            raise SpecError(f"ingest(): the {self.sampler.name} sampler takes whole steps of {self.sampler.streams} "
+                            f"streams (time-major), so a batch must hold a multiple of {self.sampler.streams} items; "
+                            f"got {n}")
+        if self.sampler.consumes:
+            pending = int(self._status()["deliverable"])
             if pending + n > self.capacity:
                 raise CapacityError(
                     f"ingest(): the {self.sampler.name} queue holds {pending} undelivered items of {self.capacity}; "
@@ -141,16 +145,17 @@ class ExperienceDataPlane:
         return self._deliverable() >= self.sampler.min_items
 
     def _deliverable(self) -> int:
-        if self.sampler.pending is None:
+        if self.sampler.deliverable is None:
             if self._known_size < self.sampler.min_items:
                 self._known_size = int(self._status()["size"])
             return self._known_size
-        return int(self._status()["pending"])
+        return int(self._status()["deliverable"])
 
     def _check_can_sample(self) -> None:
         have = self._deliverable()
         if have < self.sampler.min_items:
-            what = "undelivered items" if self.sampler.pending is not None else "stored items"
+            what = {"fifo": "undelivered items", "sequences": "eligible windows"}.get(self.sampler.name,
+                                                                                     "stored items")
             raise NotEnoughDataError(
                 f"sample(): the {self.sampler.name} sampler needs at least {self.sampler.min_items} {what} for a batch "
                 f"of {self.batch_size}, the plane has {have}; ingest more first (can_sample() tells without raising)")
@@ -197,9 +202,10 @@ class ExperienceDataPlane:
             "sampler": self.sampler.name,
             "compiled_ingest_kernels": len(self._ingest_kernels),
         }
-        for key in ("pending", "priority_updates_ignored"):
-            if key in status:
-                out[key] = status[key]
+        if self.sampler.deliverable is not None:
+            out["deliverable"] = status["deliverable"]
+        if "priority_updates_ignored" in status:
+            out["priority_updates_ignored"] = status["priority_updates_ignored"]
         for stage, times in self._timings.items():
             out[f"{stage}_calls"] = len(times)
             if times:
@@ -261,5 +267,22 @@ def _check_config(config: ReplayConfig, capacity) -> None:
     if config.sampler.min_items > capacity:
         raise ConfigError(f"ExperienceDataPlane(): the {config.sampler.name} sampler needs {config.sampler.min_items} "
                           f"items per batch but capacity is {capacity}")
+    sampler = config.sampler
+    if sampler.streams > 1 or sampler.window > 1:
+        stride = sampler.streams // shards
+        if sampler.streams % shards:
+            raise ConfigError(f"ExperienceDataPlane(): the {sampler.name} sampler's streams ({sampler.streams}) must be "
+                              f"a multiple of the {shards} shards so each stream lives in one shard")
+        if config.shard_capacity % stride or config.shard_capacity // stride < sampler.window:
+            raise ConfigError(f"ExperienceDataPlane(): each shard holds {config.shard_capacity} slots for {stride} "
+                              f"streams; it must be a multiple of {stride} and hold at least {sampler.window} steps "
+                              f"per stream (capacity >= {sampler.window * sampler.streams}, a multiple of "
+                              f"{sampler.streams})")
+    spec = config.layout.spec
+    for key in sampler.needs:
+        if key not in spec.names or spec.dtypes[spec.names.index(key)] != np.bool_ or \
+                spec.shapes[spec.names.index(key)] != ():
+            raise ConfigError(f"ExperienceDataPlane(): the {sampler.name} sampler needs a per-item bool leaf '{key}' "
+                              f"(episode ends); the spec is {spec}")
     if capacity >= 2**31:
         raise ConfigError(f"ExperienceDataPlane(): capacity must be below 2**31 (int32 row ids), got {capacity}")

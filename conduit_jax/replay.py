@@ -29,12 +29,14 @@ class ReplayState:
 
 
 class Delivery(NamedTuple):
-    """A sampled batch: ``data`` in the spec's structure with a leading batch axis, ``ids`` int32[B, 2] as
-    (global row, generation), and importance weights float32[B] for prioritized samplers (else None)."""
+    """A sampled batch: ``data`` in the spec's structure with a leading batch axis (and a time axis for sequences),
+    ``ids`` int32[B, 2] as (global row, generation) of each item or window start, importance weights float32[B] for
+    prioritized samplers (else None), and for padded sequences ``mask`` bool[B, T] (else None)."""
 
     data: Any
     ids: jax.Array
     weights: Optional[jax.Array]
+    mask: Optional[jax.Array] = None
 
 
 class ReplayConfig(NamedTuple):
@@ -115,7 +117,7 @@ def ingest(config: ReplayConfig, state: ReplayState, batch, n) -> ReplayState:
         k = block.shape[0]
         slots = (cursor + lax.iota(jnp.int32, k)) % config.shard_capacity
         view = InsertView(config.num_shards, config.shard_capacity, config.axes, slots, lax.iota(jnp.int32, k) < count,
-                          mine, n)
+                          n, cursor, laps, functools.partial(config.layout.read_leaf, rows))
         return ReplayState(
             storage=storage.StorageState(rows=rows, cursor=new_cursor[None], laps=new_laps[None],
                                          next_shard=(st.next_shard + n) % config.num_shards),
@@ -135,17 +137,22 @@ def sample(config: ReplayConfig, state: ReplayState) -> tuple[Any, Delivery]:
     The batch comes back sharded over the shard axes: shard s holds rows
     ``[s*B/S, (s+1)*B/S)``. Ids, generations and weights travel in the same packed exchange as the rows."""
     specs = partition_specs(config)
-    layout, num_shards = config.layout, config.num_shards
+    layout, num_shards, window = config.layout, config.num_shards, config.sampler.window
 
     def per_shard(state: ReplayState):
         st = state.storage
         view = _shard_view(config, st)
         sampler_state, sel = config.sampler.sample(state.sampler, view)
         slots = sel.slots
-        rows = storage.gather(st.rows, slots)
+        if window > 1:  # a window's steps are `streams / S` slots apart in the owner's ring, oldest first
+            stride = config.sampler.streams // num_shards
+            steps = (slots[:, None] + lax.iota(jnp.int32, window)[None, :] * stride) % config.shard_capacity
+            rows = storage.gather(st.rows, steps).reshape(slots.shape[0], window * layout.row_words)
+        else:
+            rows = storage.gather(st.rows, slots)
         extra = [view.shard_index * config.shard_capacity + slots,
                  storage.slot_generation(view.cursor, view.laps, slots)]
-        if sel.probability is not None:
+        if config.sampler.weigh is not None:
             extra.append(lax.bitcast_convert_type(sel.probability.astype(jnp.float32), jnp.int32))
         packed = jnp.concatenate([rows, lax.bitcast_convert_type(jnp.stack(extra, axis=1), jnp.uint32)], axis=1)
         if sel.owner is not None and num_shards > 1:
@@ -155,14 +162,17 @@ def sample(config: ReplayConfig, state: ReplayState) -> tuple[Any, Delivery]:
         return sampler_state, packed
 
     sampler_state, packed = _shard_mapped(config, per_shard, (specs,), (specs.sampler, P(config.axes)))(state)
-    words = layout.row_words
-    data = layout.unpack(packed[:, :words])
+    words = layout.row_words * window
+    data = packed[:, :words]
+    data = layout.unpack(data if window == 1 else data.reshape(-1, window, layout.row_words))
     ids = lax.bitcast_convert_type(packed[:, words:words + 2], jnp.int32)
-    weights = None
-    if packed.shape[1] > words + 2:
+    weights = mask = None
+    if config.sampler.weigh is not None:
         probability = lax.bitcast_convert_type(packed[:, words + 2], jnp.float32)
         weights = config.sampler.weigh(sampler_state, probability, size(config, state))
-    return sampler_state, Delivery(data, ids, weights)
+    if config.sampler.mask is not None:
+        mask = config.sampler.mask(data)
+    return sampler_state, Delivery(data, ids, weights, mask)
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -190,10 +200,10 @@ def size(config: ReplayConfig, state: ReplayState):
 
 
 def status(config: ReplayConfig, state: ReplayState) -> dict[str, jax.Array]:
-    out = {"size": size(config, state)}
+    n = size(config, state)
+    deliverable = config.sampler.deliverable
+    out = {"size": n, "deliverable": n if deliverable is None else deliverable(state.sampler, n)}
     ignored = getattr(state.sampler, "ignored_updates", None)
     if ignored is not None:
         out["priority_updates_ignored"] = ignored
-    if config.sampler.pending is not None:
-        out["pending"] = config.sampler.pending(state.sampler)
     return out

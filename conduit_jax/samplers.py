@@ -15,6 +15,7 @@ the same stream.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, NamedTuple, Optional
 
 import jax
@@ -46,8 +47,10 @@ class InsertView(NamedTuple):
     axes: tuple[str, ...]
     slots: jax.Array  # int32[k]: ring slots of this shard's rows of the batch (padding rows included)
     valid: jax.Array  # bool[k]: rows that hold an item (the rest is padding)
-    items: Any  # this shard's items of the batch, spec structure, leading axis k
     total: jax.Array  # int32[]: items the whole batch held
+    cursor: jax.Array  # int32[]: this shard's cursor before the write
+    laps: jax.Array  # int32[]: this shard's laps before the write
+    read: Callable[[str, jax.Array], jax.Array]  # read(leaf name, slots): stored values after the write
 
 
 class Selection(NamedTuple):
@@ -65,8 +68,9 @@ class Sampler(NamedTuple):
     sample(state, ShardView) -> (state, Selection)                 (per shard)
     update(state, ShardView, ids, priorities, valid) -> state      (per shard; None for samplers without priorities)
     weigh(state, probability, size) -> importance weights          (global; None when selections carry no weights)
-    pending(state) -> int32[]: undelivered items, for samplers that consume what they deliver (queues); None for
-        the others, whose deliverable items are simply the stored ones (a count that never decreases)
+    deliverable(state, size) -> int32[]: what sample() can draw from now (compared with min_items); None when it is
+        simply the stored item count, which never decreases (the shell then caches a positive answer)
+    consumes: delivery removes items (queues): ingest refuses to overwrite undelivered ones
     """
 
     name: str
@@ -76,8 +80,13 @@ class Sampler(NamedTuple):
     on_insert: Callable[[Any, InsertView], Any]
     sample: Callable[[Any, ShardView], tuple[Any, Selection]]
     update: Optional[Callable[..., Any]] = None
-    pending: Optional[Callable[[Any], jax.Array]] = None
+    deliverable: Optional[Callable[[Any, jax.Array], jax.Array]] = None
+    consumes: bool = False
     weigh: Optional[Callable[[Any, jax.Array, jax.Array], jax.Array]] = None
+    window: int = 1  # steps per delivered sequence (1: plain items, no time axis)
+    streams: int = 1  # environments per ingest step; batches hold multiples of it
+    needs: tuple[str, ...] = ()  # leaves the spec must have (boolean episode ends)
+    mask: Optional[Callable[[Any], jax.Array]] = None  # data [B, T, ...] -> bool[B, T] valid-step mask
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -252,7 +261,8 @@ def fifo(batch_size: int) -> Sampler:
         init=init,
         on_insert=on_insert,
         sample=sample,
-        pending=lambda state: state.pending,
+        deliverable=lambda state, size: state.pending,
+        consumes=True,
     )
 
 
@@ -351,3 +361,76 @@ def prioritized(batch_size: int, alpha: float = 0.6, beta=0.4, eps: float = 1e-6
         return PriorityState(state.key, state.counter, levels, state.max_priority, state.ignored_updates)
 
     return _priority_sampler("prioritized", batch_size, alpha, beta, eps, on_insert)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Sequences: windows of consecutive steps of one stream (recurrent learners, n-step returns)
+# ------------------------------------------------------------------------------------------------------------------
+def sequences(batch_size: int, length: int, streams: int, *, burn_in: int = 0, period: int = 1, pad: bool = False,
+              end_keys: tuple[str, ...] = ("terminated", "truncated"), alpha: Optional[float] = None, beta=0.4,
+              eps: float = 1e-6) -> Sampler:
+    """Windows of ``burn_in + length`` consecutive steps of one stream (one environment).
+
+    Ingest contract: every batch holds whole steps of ``streams`` environments, time-major (``steps * streams``
+    items, environment e at position ``t * streams + e``), so stream e's steps sit in one shard, ``streams / S``
+    slots apart; ``streams`` must be a multiple of the shard count.
+
+    A window starts only every ``period`` steps. Episode ends are the OR of the boolean ``end_keys`` leaves (by
+    default ``terminated`` and ``truncated``). With ``pad=False`` a window never crosses an episode boundary (only
+    its last step may end the episode). With ``pad=True`` windows may run past an episode's end and the delivery's
+    ``mask`` marks the steps that belong to the window's first episode (what n-step returns need: see
+    ``transforms.n_step``). Selection is uniform over eligible windows, or prioritized when ``alpha`` is given
+    (P(window) ∝ (p + eps)^alpha, importance weights with ``beta``; priorities attach to the window's first step).
+    """
+    _check_batch_size(batch_size, "sequences")
+    window = burn_in + length
+    for name, value, low in (("length", length, 1), ("streams", streams, 1), ("burn_in", burn_in, 0),
+                             ("period", period, 1)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            raise ConfigError(f"samplers.sequences(): {name} must be an int >= {low}, got {value!r}")
+    if not end_keys or not all(isinstance(k, str) for k in end_keys):
+        raise ConfigError(f"samplers.sequences(): end_keys must name the boolean episode-end leaves, got {end_keys!r}")
+    weighted = alpha is not None
+    exponent = 1.0 if alpha is None else alpha
+
+    def on_insert(state: PriorityState, view: InsertView):
+        stride = streams // view.num_shards
+        k = view.slots.shape[0]
+        # the new rows void whatever window started at their slots (those items are gone)
+        levels = sumtree.set_leaves(state.levels, view.slots, jnp.zeros((k,), jnp.float32), view.valid)
+        # each new row completes the window that starts window-1 steps earlier in its stream
+        back = lax.iota(jnp.int32, window)[::-1] * stride  # window-1, ..., 1, 0 steps back
+        members = (view.slots[:, None] - back[None, :]) % view.shard_capacity  # [k, window] slots, oldest first
+        position = view.cursor + lax.iota(jnp.int32, k)  # rows written before this one in the current lap
+        exists = (view.laps > 0) | (position >= (window - 1) * stride)
+        eligible = view.valid & exists
+        if not pad:
+            ends = functools.reduce(jnp.logical_or, [view.read(key, members[:, :-1]) for key in end_keys]) \
+                if window > 1 else jnp.zeros((k, 0), jnp.bool_)
+            eligible &= ~jnp.any(ends, axis=1)
+        if period > 1:
+            modulus = stride * period
+            start_position = (view.laps % modulus) * (view.shard_capacity % modulus) + position \
+                - (window - 1) * stride
+            eligible &= ((start_position % modulus) // stride) % period == 0
+        value = jnp.power(state.max_priority + eps, exponent) if weighted else jnp.float32(1.0)
+        levels = sumtree.set_leaves(levels, members[:, 0], jnp.full((k,), value), eligible)
+        return PriorityState(state.key, state.counter, levels, state.max_priority, state.ignored_updates)
+
+    def mask(data):
+        """True for the steps of the window's first episode: every step up to and including the first end."""
+        ends = functools.reduce(jnp.logical_or, [_leaf(data, key) for key in end_keys])
+        before = jnp.cumsum(ends.astype(jnp.int32), axis=1) - ends.astype(jnp.int32)
+        return before == 0
+
+    base = _priority_sampler("sequences", batch_size, exponent, beta, eps, on_insert)
+    return base._replace(window=window, streams=streams, needs=tuple(end_keys), mask=mask if pad else None,
+                         weigh=base.weigh if weighted else None, update=base.update if weighted else None,
+                         deliverable=lambda state, size: (sumtree.total(state.levels) > 0).astype(jnp.int32))
+
+
+def _leaf(tree, name: str):
+    node = tree
+    for part in name.split("/"):
+        node = node[part]
+    return node

@@ -19,7 +19,7 @@ samplers rely on:
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -87,19 +87,28 @@ class RowLayout(NamedTuple):
 
     def unpack(self, rows: jax.Array):
         """uint32[..., row_words] -> the spec's pytree with leading axes ``rows.shape[:-1]``."""
-        lead = rows.shape[:-1]
-        leaves = []
-        for slot, shape, dtype in zip(self.slots, self.spec.shapes, self.spec.dtypes):
-            words = lax.slice_in_dim(rows, slot.offset, slot.offset + slot.words, axis=rows.ndim - 1)
-            store = jnp.uint8 if dtype == np.bool_ else dtype
-            x = lax.bitcast_convert_type(words, store)
-            if slot.per_word != 1:
-                x = x.reshape(*lead, slot.words * slot.per_word)
-                if x.shape[-1] != slot.elems:
-                    x = x[..., :slot.elems]
-            x = x.reshape(*lead, *shape)
-            leaves.append(x.astype(jnp.bool_) if dtype == np.bool_ else x)
+        leaves = [self._unpack_leaf(rows, i) for i in range(len(self.slots))]
         return jax.tree_util.tree_unflatten(self.spec.treedef, leaves)
+
+    def read_leaf(self, rows: jax.Array, name: str, slots: jax.Array) -> jax.Array:
+        """Leaf ``name`` of the items at ``slots`` of a shard's rows, reading only that leaf's words."""
+        index = self.spec.names.index(name)
+        slot = self.slots[index]
+        words = lax.slice_in_dim(rows, slot.offset, slot.offset + slot.words, axis=1)
+        return self._unpack_leaf(words.at[slots].get(mode="promise_in_bounds"), index, offset=0)
+
+    def _unpack_leaf(self, rows: jax.Array, index: int, offset: Optional[int] = None) -> jax.Array:
+        slot, shape, dtype = self.slots[index], self.spec.shapes[index], self.spec.dtypes[index]
+        lead = rows.shape[:-1]
+        start = slot.offset if offset is None else offset
+        words = lax.slice_in_dim(rows, start, start + slot.words, axis=rows.ndim - 1)
+        x = lax.bitcast_convert_type(words, jnp.uint8 if dtype == np.bool_ else dtype)
+        if slot.per_word != 1:
+            x = x.reshape(*lead, slot.words * slot.per_word)
+            if x.shape[-1] != slot.elems:
+                x = x[..., :slot.elems]
+        x = x.reshape(*lead, *shape)
+        return x.astype(jnp.bool_) if dtype == np.bool_ else x
 
 
 # ------------------------------------------------------------------------------------------------------------------
