@@ -3,9 +3,9 @@
 The public API; every name here is re-exported from the module that defines it.
 """
 
-from conduit_jax import samplers
+from conduit_jax import limits, samplers, transforms
 from conduit_jax.errors import (CapacityError, ConduitError, ConfigError, NotEnoughDataError, PriorityError,
-                                SpecError)
+                                RateLimitedError, SpecError)
 from conduit_jax.plane import ExperienceDataPlane, default_mesh
 from conduit_jax.replay import Delivery
 from conduit_jax.spec import ExperienceSpec
@@ -14,5 +14,6 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CapacityError", "ConduitError", "ConfigError", "Delivery", "ExperienceDataPlane", "ExperienceSpec",
-    "NotEnoughDataError", "PriorityError", "SpecError", "default_mesh", "samplers",
+    "NotEnoughDataError", "PriorityError", "RateLimitedError", "SpecError", "default_mesh", "limits", "samplers",
+    "transforms",
 ]

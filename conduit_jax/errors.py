@@ -25,6 +25,10 @@ class CapacityError(ConduitError):
     """``ingest()`` would overwrite items that a queue has not delivered yet, or a limiter forbids it."""
 
 
+class RateLimitedError(ConduitError):
+    """The rate limiter refused an ingest or a sample, and the call's timeout ran out; nothing was changed."""
+
+
 class PriorityError(ConduitError):
     """``update_priorities()`` got NaN, infinite or negative priorities, or ids of the wrong shape or range."""
 

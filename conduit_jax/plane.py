@@ -8,6 +8,7 @@ state exactly as it was. Everything that must survive a checkpoint is in ``plane
 from __future__ import annotations
 
 import functools
+import threading
 import time
 from typing import Any, Optional
 
@@ -16,8 +17,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-from conduit_jax import replay, samplers, storage
-from conduit_jax.errors import CapacityError, ConfigError, NotEnoughDataError, PriorityError, SpecError
+from conduit_jax import limits, replay, samplers, storage
+from conduit_jax.errors import (CapacityError, ConfigError, NotEnoughDataError, PriorityError, RateLimitedError,
+                                SpecError)
+from conduit_jax.limits import LimiterState
 from conduit_jax.replay import Delivery, ReplayConfig, ReplayState
 from conduit_jax.spec import ExperienceSpec
 
@@ -40,34 +43,42 @@ class ExperienceDataPlane:
       spec: an ``ExperienceSpec`` or a pytree of ``jax.ShapeDtypeStruct`` describing one item.
       capacity: items the plane holds; split evenly over the shards, so a multiple of the shard count.
       sampler: a ``samplers.*`` policy; default ``samplers.uniform(256)``.
+      limiter: a ``limits.*`` rate limiter; default ``limits.min_size(1)``.
       mesh: the devices to shard over (every axis of the mesh is used); default every local device on one axis.
       seed: seeds the sampler's random stream.
       cast: accept int64/float64 leaves and narrow them to the spec's 32-bit dtypes (x64 is off in JAX).
     """
 
     def __init__(self, spec, capacity: int, sampler: Optional[samplers.Sampler] = None, *,
-                 mesh: Optional[Mesh] = None, seed: int = 0, cast: bool = False):
+                 limiter: Optional[limits.Limiter] = None, mesh: Optional[Mesh] = None, seed: int = 0,
+                 cast: bool = False):
         self.spec = spec if isinstance(spec, ExperienceSpec) else ExperienceSpec.from_structs(spec)
         self.sampler = samplers.uniform(256) if sampler is None else sampler
         if not isinstance(self.sampler, samplers.Sampler):
             raise ConfigError(f"ExperienceDataPlane(): sampler must be a samplers.Sampler (e.g. "
                               f"samplers.uniform(256)), got {type(self.sampler).__name__}")
+        self.limiter = limits.min_size(1) if limiter is None else limiter
+        if not isinstance(self.limiter, limits.Limiter):
+            raise ConfigError(f"ExperienceDataPlane(): limiter must be a limits.Limiter (e.g. "
+                              f"limits.sample_to_insert_ratio(...)), got {type(self.limiter).__name__}")
+        self.limiter.check(self.sampler.batch_size)
         self.mesh = default_mesh() if mesh is None else mesh
         self.cast = bool(cast)
-        config = ReplayConfig(storage.RowLayout.of(self.spec), self.sampler, self.mesh, tuple(self.mesh.axis_names),
-                              capacity if isinstance(capacity, int) else -1)
+        config = ReplayConfig(storage.RowLayout.of(self.spec), self.sampler, self.limiter, self.mesh,
+                              tuple(self.mesh.axis_names), capacity if isinstance(capacity, int) else -1)
         _check_config(config, capacity)
         self.config = config
         self._shardings = replay.shardings(config)
         self.state: ReplayState = jax.jit(functools.partial(replay.init, config, seed),
                                           out_shardings=self._shardings)()
         self._ingest_kernels: dict[int, Any] = {}
-        self._sample_kernel = jax.jit(lambda storage_state, sampler_state: replay.sample(
-            config, ReplayState(storage_state, sampler_state)), donate_argnums=(1,))
+        self._sample_kernel = jax.jit(lambda storage_state, sampler_state, limiter_state: replay.sample(
+            config, ReplayState(storage_state, sampler_state, limiter_state)), donate_argnums=(1, 2))
         self._status_kernel = jax.jit(functools.partial(replay.status, config))
         self._update_kernel = jax.jit(functools.partial(replay.update, config))
         self._known_size = 0  # a lower bound of the stored item count: it never decreases
         self._timings = {"ingest": [], "sample": [], "update": []}
+        self._changed = threading.Condition()  # guards state; notified after every ingest and sample
 
     # -- properties ---------------------------------------------------------------------------------------------
     @property
@@ -83,42 +94,61 @@ class ExperienceDataPlane:
         return self.sampler.batch_size
 
     def __len__(self) -> int:
-        return int(self._status()["size"])
+        with self._changed:
+            return self._status()["size"]
 
     def __repr__(self) -> str:
         return (f"ExperienceDataPlane({self.spec}, capacity={self.capacity}, sampler={self.sampler.name}"
                 f"(batch_size={self.batch_size}), shards={self.num_shards})")
 
     # -- ingest -------------------------------------------------------------------------------------------------
-    def ingest(self, batch) -> None:
+    def ingest(self, batch, *, timeout: Optional[float] = 0.0) -> None:
         """Validate a batch (leading item axis on every leaf) and write it into the rings.
 
-        Raises ``SpecError`` for a malformed batch and ``CapacityError`` when a queue would have to overwrite items it
-        has not delivered; either way nothing is written. The plane keeps no reference to NumPy input, so the caller
-        may reuse its buffers as soon as ``ingest`` returns.
+        Raises ``SpecError`` for a malformed batch. When the rate limiter or a queue's capacity refuses the batch,
+        waits up to ``timeout`` seconds (None: forever; 0: not at all) for a sample to make room, then raises
+        ``RateLimitedError`` / ``CapacityError``. Whatever is raised, nothing was written and nothing is dropped.
+        The plane keeps no reference to NumPy input: the caller may reuse its buffers once ``ingest`` returns.
         """
         n = self.spec.validate(batch, cast=self.cast)
         if n % self.sampler.streams:
             raise SpecError(f"ingest(): the {self.sampler.name} sampler takes whole steps of {self.sampler.streams} "
                             f"streams (time-major), so a batch must hold a multiple of {self.sampler.streams} items; "
                             f"got {n}")
-        if self.sampler.consumes:
-            pending = int(self._status()["deliverable"])
-            if pending + n > self.capacity:
-                raise CapacityError(
-                    f"ingest(): the {self.sampler.name} queue holds {pending} undelivered items of {self.capacity}; "
-                    f"{n} more would overwrite {pending + n - self.capacity} of them. Sample first, or ingest at most "
-                    f"{self.capacity - pending} items")
-        start_time = time.perf_counter()
         leaves, treedef = jax.tree_util.tree_flatten(batch)
-        chunk = self.capacity  # one kernel call writes at most a full ring per shard
-        for start in range(0, n, chunk):
-            m = min(chunk, n - start)
-            k = storage.bucket_size(m, self.num_shards, self.config.shard_capacity)
-            padded = [_padded(leaf, start, m, self.num_shards * k) for leaf in leaves]
-            kernel = self._ingest_kernel(k)
-            self.state = kernel(self.state, jax.tree_util.tree_unflatten(treedef, padded), np.int32(m))
-        self._timings["ingest"].append(time.perf_counter() - start_time)
+        with self._changed:
+            self._wait_until(lambda: self._ingest_refusal(n), timeout)
+            start_time = time.perf_counter()
+            chunk = self.capacity  # one kernel call writes at most a full ring per shard
+            for start in range(0, n, chunk):
+                m = min(chunk, n - start)
+                k = storage.bucket_size(m, self.num_shards, self.config.shard_capacity)
+                padded = [_padded(leaf, start, m, self.num_shards * k) for leaf in leaves]
+                self.state = self._ingest_kernel(k)(self.state, jax.tree_util.tree_unflatten(treedef, padded),
+                                                    np.int32(m))
+            self._timings["ingest"].append(time.perf_counter() - start_time)
+            self._changed.notify_all()
+
+    def can_ingest(self, n: int = 1) -> bool:
+        """Whether ``n`` items would be admitted now (rate limiter and queue capacity)."""
+        with self._changed:
+            return self._ingest_refusal(n) is None
+
+    def _ingest_refusal(self, n: int):
+        """None if an n-item ingest may run now, else (error type, message)."""
+        if not (self.sampler.consumes or self.limiter.limits_inserts):
+            return None
+        status = self._status()
+        if self.sampler.consumes and status["deliverable"] + n > self.capacity:
+            pending = status["deliverable"]
+            return CapacityError, (
+                f"ingest(): the {self.sampler.name} queue holds {pending} undelivered items of {self.capacity}; "
+                f"{n} more would overwrite {pending + n - self.capacity} of them. Sample first, or ingest at most "
+                f"{self.capacity - pending} items")
+        if not self.limiter.can_insert(LimiterState(status["limiter_balance"]), status["size"]):
+            return RateLimitedError, (f"ingest(): the rate limiter {self.limiter.name} admits no insert until more "
+                                      f"is sampled")
+        return None
 
     def _ingest_kernel(self, k: int):
         kernel = self._ingest_kernels.get(k)
@@ -129,36 +159,59 @@ class ExperienceDataPlane:
         return kernel
 
     # -- sample -------------------------------------------------------------------------------------------------
-    def sample(self) -> Delivery:
-        """One batch from the sampler: ``Delivery(data, ids, weights)``, sharded over the plane's shard axes.
+    def sample(self, *, timeout: Optional[float] = 0.0) -> Delivery:
+        """One batch: ``Delivery(data, ids, weights, mask)``, sharded over the plane's shard axes.
 
-        Raises ``NotEnoughDataError`` (state unchanged) when the sampler cannot deliver a full batch.
+        When the sampler cannot deliver a full batch or the rate limiter refuses, waits up to ``timeout`` seconds
+        (None: forever; 0: not at all) for an ingest, then raises ``NotEnoughDataError`` / ``RateLimitedError`` with
+        the state unchanged.
         """
-        self._check_can_sample()
-        start_time = time.perf_counter()
-        sampler_state, delivery = self._sample_kernel(self.state.storage, self.state.sampler)
-        self.state = ReplayState(self.state.storage, sampler_state)
-        self._timings["sample"].append(time.perf_counter() - start_time)
+        with self._changed:
+            self._wait_until(self._sample_refusal, timeout)
+            start_time = time.perf_counter()
+            state = self.state
+            sampler_state, limiter_state, delivery = self._sample_kernel(state.storage, state.sampler, state.limiter)
+            self.state = ReplayState(state.storage, sampler_state, limiter_state)
+            self._timings["sample"].append(time.perf_counter() - start_time)
+            self._changed.notify_all()
         return delivery
 
     def can_sample(self) -> bool:
-        return self._deliverable() >= self.sampler.min_items
+        """Whether ``sample()`` would deliver now without waiting."""
+        with self._changed:
+            return self._sample_refusal() is None
 
-    def _deliverable(self) -> int:
-        if self.sampler.deliverable is None:
-            if self._known_size < self.sampler.min_items:
-                self._known_size = int(self._status()["size"])
-            return self._known_size
-        return int(self._status()["deliverable"])
+    def _sample_refusal(self):
+        sampler, limiter = self.sampler, self.limiter
+        if sampler.deliverable is None and not limiter.limits_samples:
+            # stored items never decrease: once enough were seen, no device read is needed again
+            if self._known_size < max(sampler.min_items, limiter.min_size):
+                self._known_size = self._status()["size"]
+            status = {"size": self._known_size, "deliverable": self._known_size, "limiter_balance": 0}
+        else:
+            status = self._status()
+        if status["deliverable"] < sampler.min_items:
+            what = {"fifo": "undelivered items", "sequences": "eligible windows"}.get(sampler.name, "stored items")
+            return NotEnoughDataError, (
+                f"sample(): the {sampler.name} sampler needs at least {sampler.min_items} {what} for a batch of "
+                f"{self.batch_size}, the plane has {status['deliverable']}; ingest more first (can_sample() tells "
+                f"without raising)")
+        if not limiter.can_sample(LimiterState(status["limiter_balance"]), status["size"], self.batch_size):
+            return RateLimitedError, (f"sample(): the rate limiter {limiter.name} admits no batch of "
+                                      f"{self.batch_size} now (plane holds {status['size']} items); ingest more first")
+        return None
 
-    def _check_can_sample(self) -> None:
-        have = self._deliverable()
-        if have < self.sampler.min_items:
-            what = {"fifo": "undelivered items", "sequences": "eligible windows"}.get(self.sampler.name,
-                                                                                     "stored items")
-            raise NotEnoughDataError(
-                f"sample(): the {self.sampler.name} sampler needs at least {self.sampler.min_items} {what} for a batch "
-                f"of {self.batch_size}, the plane has {have}; ingest more first (can_sample() tells without raising)")
+    def _wait_until(self, refusal, timeout: Optional[float]) -> None:
+        """Wait (holding the condition) until ``refusal()`` is None; raise its error when ``timeout`` runs out."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        reason = refusal()
+        while reason is not None:
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                error, message = reason
+                raise error(message + (f" (waited {timeout} s)" if timeout else ""))
+            self._changed.wait(remaining)
+            reason = refusal()
 
     # -- priorities -----------------------------------------------------------------------------------------------
     def update_priorities(self, ids, priorities) -> None:
@@ -180,9 +233,10 @@ class ExperienceDataPlane:
         prio_pad[:m] = prio_np
         valid = np.arange(bucket) < m
         start_time = time.perf_counter()
-        sampler_state = self._update_kernel(self.state, ids_pad, prio_pad, valid)
-        self.state = ReplayState(self.state.storage, sampler_state)
-        self._timings["update"].append(time.perf_counter() - start_time)
+        with self._changed:
+            sampler_state = self._update_kernel(self.state, ids_pad, prio_pad, valid)
+            self.state = ReplayState(self.state.storage, sampler_state, self.state.limiter)
+            self._timings["update"].append(time.perf_counter() - start_time)
 
     # -- status -------------------------------------------------------------------------------------------------
     def _status(self) -> dict[str, int]:
@@ -190,8 +244,9 @@ class ExperienceDataPlane:
 
     def stats(self) -> dict[str, Any]:
         """Counters of the plane, read from the state, plus the shell's wall-clock timings per call."""
-        status = self._status()
-        cursor, laps = jax.device_get((self.state.storage.cursor, self.state.storage.laps))
+        with self._changed:
+            status = self._status()
+            cursor, laps = jax.device_get((self.state.storage.cursor, self.state.storage.laps))
         inserted = sum(int(l) * self.config.shard_capacity + int(c) for c, l in zip(cursor, laps))
         out = {
             "size": status["size"],
@@ -200,6 +255,7 @@ class ExperienceDataPlane:
             "items_inserted": inserted,
             "items_overwritten": inserted - status["size"],
             "sampler": self.sampler.name,
+            "limiter": self.limiter.name,
             "compiled_ingest_kernels": len(self._ingest_kernels),
         }
         if self.sampler.deliverable is not None:

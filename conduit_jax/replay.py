@@ -18,6 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 from conduit_jax import storage
 from conduit_jax._pytree import state_dataclass
+from conduit_jax.limits import Limiter, LimiterState
 from conduit_jax.samplers import InsertView, Sampler, ShardView
 from conduit_jax.spec import ExperienceSpec
 
@@ -26,6 +27,7 @@ from conduit_jax.spec import ExperienceSpec
 class ReplayState:
     storage: storage.StorageState
     sampler: Any
+    limiter: LimiterState
 
 
 class Delivery(NamedTuple):
@@ -42,6 +44,7 @@ class Delivery(NamedTuple):
 class ReplayConfig(NamedTuple):
     layout: storage.RowLayout
     sampler: Sampler
+    limiter: Limiter
     mesh: Mesh
     axes: tuple[str, ...]
     capacity: int
@@ -63,6 +66,7 @@ def init(config: ReplayConfig, seed: int) -> ReplayState:
     return ReplayState(
         storage=storage.init(config.layout, config.capacity, config.num_shards),
         sampler=config.sampler.init(config.capacity, config.num_shards, seed),
+        limiter=config.limiter.init(),
     )
 
 
@@ -122,6 +126,7 @@ def ingest(config: ReplayConfig, state: ReplayState, batch, n) -> ReplayState:
             storage=storage.StorageState(rows=rows, cursor=new_cursor[None], laps=new_laps[None],
                                          next_shard=(st.next_shard + n) % config.num_shards),
             sampler=config.sampler.on_insert(state.sampler, view),
+            limiter=config.limiter.on_insert(state.limiter, n),
         )
 
     return _shard_mapped(config, per_shard, (specs, P(), P()), specs)(state, batch, n)
@@ -130,9 +135,9 @@ def ingest(config: ReplayConfig, state: ReplayState, batch, n) -> ReplayState:
 # ------------------------------------------------------------------------------------------------------------------
 # sample
 # ------------------------------------------------------------------------------------------------------------------
-def sample(config: ReplayConfig, state: ReplayState) -> tuple[Any, Delivery]:
-    """Draw one batch; returns the new *sampler* state and the delivery. Storage is only read, and is not an
-    output: returning it unchanged from a jitted step would make XLA copy the whole buffer.
+def sample(config: ReplayConfig, state: ReplayState) -> tuple[Any, LimiterState, Delivery]:
+    """Draw one batch; returns the new sampler and limiter states and the delivery. Storage is only read, and is
+    not an output: returning it unchanged from a jitted step would make XLA copy the whole buffer.
 
     The batch comes back sharded over the shard axes: shard s holds rows
     ``[s*B/S, (s+1)*B/S)``. Ids, generations and weights travel in the same packed exchange as the rows."""
@@ -172,7 +177,8 @@ def sample(config: ReplayConfig, state: ReplayState) -> tuple[Any, Delivery]:
         weights = config.sampler.weigh(sampler_state, probability, size(config, state))
     if config.sampler.mask is not None:
         mask = config.sampler.mask(data)
-    return sampler_state, Delivery(data, ids, weights, mask)
+    limiter_state = config.limiter.on_sample(state.limiter, config.sampler.batch_size)
+    return sampler_state, limiter_state, Delivery(data, ids, weights, mask)
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -206,4 +212,5 @@ def status(config: ReplayConfig, state: ReplayState) -> dict[str, jax.Array]:
     ignored = getattr(state.sampler, "ignored_updates", None)
     if ignored is not None:
         out["priority_updates_ignored"] = ignored
+    out["limiter_balance"] = state.limiter.balance
     return out
