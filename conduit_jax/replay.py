@@ -159,6 +159,8 @@ def sample(config: ReplayConfig, state: ReplayState) -> tuple[Any, LimiterState,
                  storage.slot_generation(view.cursor, view.laps, slots)]
         if config.sampler.weigh is not None:
             extra.append(lax.bitcast_convert_type(sel.probability.astype(jnp.float32), jnp.int32))
+        if sel.keep is not None:
+            extra.append(sel.keep.astype(jnp.int32))
         packed = jnp.concatenate([rows, lax.bitcast_convert_type(jnp.stack(extra, axis=1), jnp.uint32)], axis=1)
         if sel.owner is not None and num_shards > 1:
             # every shard drew the same global batch; owners keep their rows, a reduce-scatter deals the blocks
@@ -172,11 +174,16 @@ def sample(config: ReplayConfig, state: ReplayState) -> tuple[Any, LimiterState,
     data = layout.unpack(data if window == 1 else data.reshape(-1, window, layout.row_words))
     ids = lax.bitcast_convert_type(packed[:, words:words + 2], jnp.int32)
     weights = mask = None
+    column = words + 2
     if config.sampler.weigh is not None:
-        probability = lax.bitcast_convert_type(packed[:, words + 2], jnp.float32)
+        probability = lax.bitcast_convert_type(packed[:, column], jnp.float32)
         weights = config.sampler.weigh(sampler_state, probability, size(config, state))
+        column += 1
     if config.sampler.mask is not None:
         mask = config.sampler.mask(data)
+    if packed.shape[1] > column:  # the sampler marked draws that are not deliveries
+        keep = packed[:, column] != 0
+        mask = keep if mask is None else mask & keep[:, None]
     limiter_state = config.limiter.on_sample(state.limiter, config.sampler.batch_size)
     return sampler_state, limiter_state, Delivery(data, ids, weights, mask)
 

@@ -15,6 +15,7 @@ the same stream.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, Callable, NamedTuple, Optional
 
@@ -57,6 +58,7 @@ class Selection(NamedTuple):
     slots: jax.Array  # int32[B] (global draws) or int32[B // shards] (shard-local): slots in the owner's ring
     owner: Optional[jax.Array]  # int32[B]: shard that owns each draw, or None for shard-local selections
     probability: Optional[jax.Array]  # float32[B]: P(draw) for weighted samplers (becomes importance weights), or None
+    keep: Optional[jax.Array] = None  # bool[B]: False for draws that are not deliveries (over max_times_sampled)
 
 
 class Sampler(NamedTuple):
@@ -276,6 +278,7 @@ class PriorityState:
     levels: tuple  # per-shard sum trees of p^alpha, level l float32[shards * K**l] (see sumtree.py)
     max_priority: jax.Array  # float32[]: largest priority seen; new items get it
     ignored_updates: jax.Array  # int32[]: priority updates dropped because their item was overwritten
+    times_sampled: Optional[jax.Array] = None  # int32[shards * shard_capacity] with max_times_sampled, else None
 
 
 def _all_shards(x, view):
@@ -293,15 +296,29 @@ def _as_schedule(value, name: str):
     return lambda step: jnp.float32(value)
 
 
-def _priority_sampler(name: str, batch_size: int, alpha: float, beta, eps: float, on_insert) -> Sampler:
-    """The sum-tree sampler shared by item and sequence replay; ``on_insert`` decides which slots become eligible."""
+def _priority_sampler(name: str, batch_size: int, alpha: float, beta, eps: float, on_insert,
+                      max_times_sampled: Optional[int]) -> Sampler:
+    """The sum-tree sampler shared by item and sequence replay; ``on_insert`` decides which slots become eligible.
+    With ``max_times_sampled`` k, an item's mass drops to 0 once it has been delivered k times (duplicates inside one
+    batch count separately, but one batch may still hold an item more often than it has deliveries left)."""
     beta_at = _as_schedule(beta, "beta")
+    if max_times_sampled is not None and (not isinstance(max_times_sampled, int) or max_times_sampled < 1):
+        raise ConfigError(f"samplers.{name}(): max_times_sampled must be an int >= 1 or None, got "
+                          f"{max_times_sampled!r}")
 
     def init(capacity, num_shards, seed):
         base = _random_state(seed)
         return PriorityState(key=base.key, counter=base.counter,
                              levels=sumtree.init(capacity // num_shards, num_shards),
-                             max_priority=jnp.ones((), jnp.float32), ignored_updates=jnp.zeros((), jnp.int32))
+                             max_priority=jnp.ones((), jnp.float32), ignored_updates=jnp.zeros((), jnp.int32),
+                             times_sampled=None if max_times_sampled is None else jnp.zeros((capacity,), jnp.int32))
+
+    def insert(state: PriorityState, view: InsertView):
+        state = on_insert(state, view)
+        if max_times_sampled is None:
+            return state
+        fresh = jnp.where(view.valid, view.slots, view.shard_capacity)
+        return _replace_state(state, times_sampled=state.times_sampled.at[fresh].set(0, mode="drop"))
 
     def sample(state: PriorityState, view: ShardView):
         masses = _all_shards(sumtree.total(state.levels), view)
@@ -312,9 +329,21 @@ def _priority_sampler(name: str, batch_size: int, alpha: float, beta, eps: float
         owner, local, _ = sumtree.pick(jnp.broadcast_to(masses, (batch_size, view.num_shards)), targets)
         slot, leaf = sumtree.descend(state.levels, local)
         probability = leaf / mass
-        new_state = PriorityState(state.key, state.counter + 1, state.levels, state.max_priority,
-                                  state.ignored_updates)
-        return new_state, Selection(slot, owner, probability)
+        new_state = _replace_state(state, counter=state.counter + 1)
+        keep = None
+        if max_times_sampled is not None:
+            # a batch may draw an item more often than it has deliveries left: the draws past its budget are not
+            # deliveries (Delivery.mask is False there) and do not count
+            mine = owner == view.shard_index
+            item = owner * view.shard_capacity + slot
+            earlier = jnp.sum(jnp.tril(item[:, None] == item[None, :], k=-1), axis=1).astype(jnp.int32)
+            before = state.times_sampled.at[slot].get(mode="promise_in_bounds")
+            keep = before + earlier < max_times_sampled
+            counts = state.times_sampled.at[jnp.where(mine & keep, slot, view.shard_capacity)].add(1, mode="drop")
+            spent = mine & (counts.at[slot].get(mode="promise_in_bounds") >= max_times_sampled)
+            levels = sumtree.set_leaves(state.levels, slot, jnp.zeros_like(leaf), spent)
+            new_state = _replace_state(new_state, levels=levels, times_sampled=counts)
+        return new_state, Selection(slot, owner, probability, keep)
 
     def weigh(state: PriorityState, probability, size):
         """Importance weights (N * P(i))^-beta, normalised by the batch maximum (so every weight is in (0, 1])."""
@@ -335,18 +364,30 @@ def _priority_sampler(name: str, batch_size: int, alpha: float, beta, eps: float
         ignored = jnp.sum(mine & ~live).astype(jnp.int32)
         if view.num_shards > 1:
             top, ignored = lax.pmax(top, view.axes), lax.psum(ignored, view.axes)
-        return PriorityState(state.key, state.counter, levels, jnp.maximum(state.max_priority, top),
-                             state.ignored_updates + ignored)
+        return _replace_state(state, levels=levels, max_priority=jnp.maximum(state.max_priority, top),
+                              ignored_updates=state.ignored_updates + ignored)
 
     return Sampler(name=name, batch_size=batch_size, min_items=1, init=init,
-                   on_insert=on_insert, sample=sample, update=update, weigh=weigh)
+                   on_insert=insert, sample=sample, update=update, weigh=weigh,
+                   deliverable=None if max_times_sampled is None else _has_mass)
 
 
-def prioritized(batch_size: int, alpha: float = 0.6, beta=0.4, eps: float = 1e-6) -> Sampler:
+def _has_mass(state: PriorityState, size):
+    """1 while some item or window can still be drawn (its mass is positive), else 0."""
+    return (sumtree.total(state.levels) > 0).astype(jnp.int32)
+
+
+def _replace_state(state, **changes):
+    return dataclasses.replace(state, **changes)
+
+
+def prioritized(batch_size: int, alpha: float = 0.6, beta=0.4, eps: float = 1e-6,
+                max_times_sampled: Optional[int] = None) -> Sampler:
     """Prioritized experience replay over the whole buffer: P(i) = (p_i + eps)^alpha / sum_k (p_k + eps)^alpha,
     stratified draws, importance weights (N * P(i))^-beta normalised by the batch maximum. ``beta`` may be a schedule
     (a function of the sample step, e.g. ``optax.linear_schedule(0.4, 1.0, 100_000)``). New items get the largest
-    priority seen so far."""
+    priority seen so far. ``max_times_sampled`` retires an item after that many deliveries (``alpha=0`` makes this
+    uniform sampling with a delivery limit)."""
     _check_batch_size(batch_size, "prioritized")
     if not alpha >= 0:
         raise ConfigError(f"samplers.prioritized(): alpha must be >= 0, got {alpha!r}")
@@ -358,9 +399,9 @@ def prioritized(batch_size: int, alpha: float = 0.6, beta=0.4, eps: float = 1e-6
     def on_insert(state: PriorityState, view: InsertView):
         value = jnp.power(state.max_priority + eps, alpha)
         levels = sumtree.set_leaves(state.levels, view.slots, jnp.full(view.slots.shape, value), view.valid)
-        return PriorityState(state.key, state.counter, levels, state.max_priority, state.ignored_updates)
+        return _replace_state(state, levels=levels)
 
-    return _priority_sampler("prioritized", batch_size, alpha, beta, eps, on_insert)
+    return _priority_sampler("prioritized", batch_size, alpha, beta, eps, on_insert, max_times_sampled)
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -368,7 +409,7 @@ def prioritized(batch_size: int, alpha: float = 0.6, beta=0.4, eps: float = 1e-6
 # ------------------------------------------------------------------------------------------------------------------
 def sequences(batch_size: int, length: int, streams: int, *, burn_in: int = 0, period: int = 1, pad: bool = False,
               end_keys: tuple[str, ...] = ("terminated", "truncated"), alpha: Optional[float] = None, beta=0.4,
-              eps: float = 1e-6) -> Sampler:
+              eps: float = 1e-6, max_times_sampled: Optional[int] = None) -> Sampler:
     """Windows of ``burn_in + length`` consecutive steps of one stream (one environment).
 
     Ingest contract: every batch holds whole steps of ``streams`` environments, time-major (``steps * streams``
@@ -415,7 +456,7 @@ def sequences(batch_size: int, length: int, streams: int, *, burn_in: int = 0, p
             eligible &= ((start_position % modulus) // stride) % period == 0
         value = jnp.power(state.max_priority + eps, exponent) if weighted else jnp.float32(1.0)
         levels = sumtree.set_leaves(levels, members[:, 0], jnp.full((k,), value), eligible)
-        return PriorityState(state.key, state.counter, levels, state.max_priority, state.ignored_updates)
+        return _replace_state(state, levels=levels)
 
     def mask(data):
         """True for the steps of the window's first episode: every step up to and including the first end."""
@@ -423,10 +464,10 @@ def sequences(batch_size: int, length: int, streams: int, *, burn_in: int = 0, p
         before = jnp.cumsum(ends.astype(jnp.int32), axis=1) - ends.astype(jnp.int32)
         return before == 0
 
-    base = _priority_sampler("sequences", batch_size, exponent, beta, eps, on_insert)
+    base = _priority_sampler("sequences", batch_size, exponent, beta, eps, on_insert, max_times_sampled)
     return base._replace(window=window, streams=streams, needs=tuple(end_keys), mask=mask if pad else None,
                          weigh=base.weigh if weighted else None, update=base.update if weighted else None,
-                         deliverable=lambda state, size: (sumtree.total(state.levels) > 0).astype(jnp.int32))
+                         deliverable=_has_mass)
 
 
 def _leaf(tree, name: str):
