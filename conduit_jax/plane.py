@@ -120,12 +120,15 @@ class ExperienceDataPlane:
             self._wait_until(lambda: self._ingest_refusal(n), timeout)
             start_time = time.perf_counter()
             chunk = self.capacity  # one kernel call writes at most a full ring per shard
+            on_host = not any(isinstance(leaf, jax.Array) for leaf in leaves)
             for start in range(0, n, chunk):
                 m = min(chunk, n - start)
-                k = storage.bucket_size(m, self.num_shards, self.config.shard_capacity)
-                padded = [_padded(leaf, start, m, self.num_shards * k) for leaf in leaves]
-                self.state = self._ingest_kernel(k)(self.state, jax.tree_util.tree_unflatten(treedef, padded),
-                                                    np.int32(m))
+                rows = self.num_shards * storage.bucket_size(m, self.num_shards, self.config.shard_capacity)
+                if on_host:  # pack on the host: one array crosses to the device instead of one per leaf
+                    block = self.config.layout.pack_host(leaves, start, m, rows)
+                else:
+                    block = jax.tree_util.tree_unflatten(treedef, [_padded(leaf, start, m, rows) for leaf in leaves])
+                self.state = self._ingest_kernel(rows, on_host)(self.state, block, np.int32(m))
             self._timings["ingest"].append(time.perf_counter() - start_time)
             self._changed.notify_all()
 
@@ -150,12 +153,13 @@ class ExperienceDataPlane:
                                       f"is sampled")
         return None
 
-    def _ingest_kernel(self, k: int):
-        kernel = self._ingest_kernels.get(k)
+    def _ingest_kernel(self, rows: int, packed: bool):
+        """The compiled ingest for one bucket of batch rows, for host-packed rows or a pytree of device arrays."""
+        kernel = self._ingest_kernels.get((rows, packed))
         if kernel is None:
-            kernel = jax.jit(functools.partial(replay.ingest, self.config), donate_argnums=(0,),
+            kernel = jax.jit(functools.partial(replay.ingest, self.config, packed=packed), donate_argnums=(0,),
                              out_shardings=self._shardings)
-            self._ingest_kernels[k] = kernel
+            self._ingest_kernels[(rows, packed)] = kernel
         return kernel
 
     # -- sample -------------------------------------------------------------------------------------------------
@@ -270,14 +274,10 @@ class ExperienceDataPlane:
 
 
 def _padded(leaf, start: int, m: int, rows: int):
-    """Rows [start, start+m) of a leaf in a fresh array of ``rows`` rows (the tail is padding the kernel masks)."""
-    if isinstance(leaf, jax.Array):
-        part = leaf[start:start + m] if (start or m != leaf.shape[0]) else leaf
-        return part if m == rows else jnp.pad(part, [(0, rows - m)] + [(0, 0)] * (part.ndim - 1))
-    src = np.asarray(leaf)
-    out = np.empty((rows, *src.shape[1:]), src.dtype)
-    out[:m] = src[start:start + m]
-    return out
+    """Rows [start, start+m) of a leaf padded to ``rows`` rows (the tail is padding the kernel masks)."""
+    leaf = jnp.asarray(leaf)
+    part = leaf[start:start + m] if (start or m != leaf.shape[0]) else leaf
+    return part if m == rows else jnp.pad(part, [(0, rows - m)] + [(0, 0)] * (part.ndim - 1))
 
 
 def _checked_priority_update(ids, priorities, capacity: int):

@@ -104,8 +104,9 @@ def _shard_view(config: ReplayConfig, st: storage.StorageState) -> ShardView:
 # ------------------------------------------------------------------------------------------------------------------
 # ingest
 # ------------------------------------------------------------------------------------------------------------------
-def ingest(config: ReplayConfig, state: ReplayState, batch, n) -> ReplayState:
-    """Write the first ``n`` items of ``batch`` (padded to ``shards * k`` rows, replicated) into the rings.
+def ingest(config: ReplayConfig, state: ReplayState, batch, n, *, packed: bool = False) -> ReplayState:
+    """Write the first ``n`` items of ``batch`` (padded to ``shards * k`` rows, replicated) into the rings. ``batch``
+    is a pytree in the spec's structure, or with ``packed`` rows already packed (uint32[shards * k, row_words]).
 
     Each shard takes its round-robin share of the batch, packs it and writes it at its own cursor: no item is
     written twice and no shard waits for another.
@@ -115,7 +116,7 @@ def ingest(config: ReplayConfig, state: ReplayState, batch, n) -> ReplayState:
     def per_shard(state: ReplayState, batch, n):
         st = state.storage
         mine, count = storage.deal(batch, st.next_shard, n, _shard_index(config), config.num_shards)
-        block = config.layout.pack(mine)
+        block = mine if packed else config.layout.pack(mine)
         cursor, laps = st.cursor[0], st.laps[0]
         rows, new_cursor, new_laps = storage.write(st.rows, cursor, laps, block, count)
         k = block.shape[0]

@@ -85,6 +85,27 @@ class RowLayout(NamedTuple):
             return jnp.zeros((n, 1), jnp.uint32)
         return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1)
 
+    def pack_host(self, leaves, start: int, count: int, rows: int, cast: bool = False) -> np.ndarray:
+        """NumPy twin of ``pack`` for host batches: items [start, start+count) of each leaf into a fresh
+        uint32[rows, row_words] (rows past ``count`` are padding the kernel masks). One array crosses to the device
+        instead of one per leaf, and the caller's buffers are never aliased."""
+        out = np.empty((rows, self.row_words), np.uint32)
+        for leaf, slot, dtype in zip(leaves, self.slots, self.spec.dtypes):
+            if slot.elems == 0:
+                continue
+            x = np.asarray(leaf)[start:start + count].reshape(count, slot.elems)
+            if x.dtype != dtype:
+                x = x.astype(dtype)  # 64-bit input admitted by cast=True
+            target = out[:count, slot.offset:slot.offset + slot.words]
+            if slot.per_word == 1:
+                target[...] = x.view(np.uint32)
+                continue
+            store = np.uint8 if dtype == np.bool_ else dtype
+            padded = np.zeros((count, slot.words * slot.per_word), store)
+            padded[:, :slot.elems] = x.view(store) if dtype == np.bool_ else x
+            target[...] = padded.view(np.uint32)
+        return out
+
     def unpack(self, rows: jax.Array):
         """uint32[..., row_words] -> the spec's pytree with leading axes ``rows.shape[:-1]``."""
         leaves = [self._unpack_leaf(rows, i) for i in range(len(self.slots))]
@@ -166,31 +187,35 @@ def write(rows, cursor, laps, block, count):
     """Write the first ``count`` rows of ``block`` at ``cursor``, wrapping around the ring; returns (rows, cursor, laps).
 
     Rows of the block past ``count`` are padding and must not touch stored items, so each dynamic-update-slice writes
-    back the old rows there. A write that wraps takes a second slice at row 0 (lax.cond: the common case pays for one).
+    back the old rows there. Two cases: the block fits before the end of the ring (the common case: one select and one
+    in-place slice update, ~memcpy speed), or it does not (a slice aligned to the ring's end, then one at row 0 for
+    the items that wrap).
     """
     capacity, k = rows.shape[0], block.shape[0]
     assert k <= capacity, "the shell splits batches larger than a shard's ring"
     iota = lax.iota(jnp.int32, k)
 
+    def fits(rows):
+        old = lax.dynamic_slice_in_dim(rows, cursor, k)
+        return lax.dynamic_update_slice_in_dim(rows, jnp.where((iota < count)[:, None], block, old), cursor, axis=0)
+
     def segment(rows, start, shift, limit):
         # rows [start, start+k) receive block[i - shift] where 0 <= i - shift < limit, else keep their old value
         old = lax.dynamic_slice_in_dim(rows, start, k)
         src = iota - shift
-        fresh = block.at[jnp.clip(src, 0, k - 1)].get(mode="promise_in_bounds") if k > 1 else block
+        fresh = block.at[jnp.clip(src, 0, k - 1)].get(mode="promise_in_bounds")
         keep = (src >= 0) & (src < limit)
         return lax.dynamic_update_slice_in_dim(rows, jnp.where(keep[:, None], fresh, old), start, axis=0)
 
-    def no_wrap(rows):
-        start = jnp.minimum(cursor, capacity - k)  # the slice must fit; shift the block to match
-        return segment(rows, start, cursor - start, count)
-
-    def wraps(rows):
+    def near_end(rows):
+        # the block is aligned to end at the ring's end; items past the end continue at row 0
         head = capacity - cursor  # rows that still fit before the end of the ring
-        rows = segment(rows, capacity - k, cursor - (capacity - k), head)
+        rows = segment(rows, capacity - k, cursor - (capacity - k), jnp.minimum(head, count))
         return segment(rows, 0, -head, count)
 
+    # two branches only: nesting conditionals made XLA copy the whole ring on every call
+    rows = lax.cond(cursor + k <= capacity, fits, near_end, rows)
     end = cursor + count
-    rows = lax.cond(end > capacity, wraps, no_wrap, rows)
     return rows, end % capacity, laps + (end >= capacity).astype(jnp.int32)
 
 
