@@ -203,7 +203,7 @@ def run_demo(config: DemoConfig = DemoConfig()) -> dict[str, Any]:
     learner_step = jax.jit(learner_step, donate_argnums=(0,))
 
     times: dict[str, list[float]] = {stage: [] for stage in STAGES}
-    iteration_times, warm_rows = [], []  # warm rows: iterations where no stage ran for the first time (compiled)
+    warm_rows = []  # warm rows: iterations where no stage ran for the first time (compiled)
     losses, q_means = [], []
     items_in = ingest_calls = batches = episodes_ended = 0
 
@@ -254,7 +254,6 @@ def run_demo(config: DemoConfig = DemoConfig()) -> dict[str, Any]:
             if ran[stage]:
                 times[stage].append(row[stage])
         total = sum(row.values())
-        iteration_times.append(total)
         if not any(first_calls[s] and ran[s] for s in STAGES) and ran["learner"]:
             warm_rows.append(row | {"iteration": total})
         if progress is not None:

@@ -11,6 +11,11 @@ inserts are never limited. A batch ingest is admitted whole when the limiter has
 
 Eligibility of single items (``max_times_sampled``) lives with the samplers that track it (``samplers.prioritized``
 and ``samplers.sequences``), since it decides which items a draw may return.
+
+``Staleness`` bounds how old on-policy data may be: every item carries the policy version it was produced with (an
+int32 leaf of the spec); the plane holds the learner's current version (``plane.set_policy_version``). An item older
+than ``max_versions`` versions is never delivered: its row of a batch is masked out (``Delivery.mask`` False) and
+counted, and samplers with a priority index stop drawing it as soon as the version moves on.
 """
 
 from __future__ import annotations
@@ -27,6 +32,13 @@ from conduit_jax.errors import ConfigError
 @state_dataclass
 class LimiterState:
     balance: object  # int32[]: (inserts * samples_per_insert - samples) * q, exact
+
+
+class Staleness(NamedTuple):
+    """Deliver only items whose ``key`` leaf (policy version) is >= current version - ``max_versions``."""
+
+    max_versions: int
+    key: str = "policy_version"
 
 
 class Limiter(NamedTuple):

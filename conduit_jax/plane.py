@@ -20,7 +20,8 @@ from jax.sharding import AxisType, Mesh
 from conduit_jax import limits, replay, samplers, storage
 from conduit_jax.errors import (CapacityError, ConfigError, NotEnoughDataError, PriorityError, RateLimitedError,
                                 SpecError)
-from conduit_jax.limits import LimiterState
+from conduit_jax._pytree import replace as _replace
+from conduit_jax.limits import LimiterState, Staleness
 from conduit_jax.replay import Delivery, ReplayConfig, ReplayState
 from conduit_jax.spec import ExperienceSpec
 
@@ -44,14 +45,15 @@ class ExperienceDataPlane:
       capacity: items the plane holds; split evenly over the shards, so a multiple of the shard count.
       sampler: a ``samplers.*`` policy; default ``samplers.uniform(256)``.
       limiter: a ``limits.*`` rate limiter; default ``limits.min_size(1)``.
+      staleness: ``limits.Staleness(max_versions, key)``: deliver only items at most that many policy versions old.
       mesh: the devices to shard over (every axis of the mesh is used); default every local device on one axis.
       seed: seeds the sampler's random stream.
       cast: accept int64/float64 leaves and narrow them to the spec's 32-bit dtypes (x64 is off in JAX).
     """
 
     def __init__(self, spec, capacity: int, sampler: Optional[samplers.Sampler] = None, *,
-                 limiter: Optional[limits.Limiter] = None, mesh: Optional[Mesh] = None, seed: int = 0,
-                 cast: bool = False):
+                 limiter: Optional[limits.Limiter] = None, staleness: Optional[Staleness] = None,
+                 mesh: Optional[Mesh] = None, seed: int = 0, cast: bool = False):
         self.spec = spec if isinstance(spec, ExperienceSpec) else ExperienceSpec.from_structs(spec)
         self.sampler = samplers.uniform(256) if sampler is None else sampler
         if not isinstance(self.sampler, samplers.Sampler):
@@ -64,7 +66,7 @@ class ExperienceDataPlane:
         self.limiter.check(self.sampler.batch_size)
         self.mesh = default_mesh() if mesh is None else mesh
         self.cast = bool(cast)
-        config = ReplayConfig(storage.RowLayout.of(self.spec), self.sampler, self.limiter, self.mesh,
+        config = ReplayConfig(storage.RowLayout.of(self.spec), self.sampler, self.limiter, staleness, self.mesh,
                               tuple(self.mesh.axis_names), capacity if isinstance(capacity, int) else -1)
         _check_config(config, capacity)
         self.config = config
@@ -72,8 +74,9 @@ class ExperienceDataPlane:
         self.state: ReplayState = jax.jit(functools.partial(replay.init, config, seed),
                                           out_shardings=self._shardings)()
         self._ingest_kernels: dict[int, Any] = {}
-        self._sample_kernel = jax.jit(lambda storage_state, sampler_state, limiter_state: replay.sample(
-            config, ReplayState(storage_state, sampler_state, limiter_state)), donate_argnums=(1, 2))
+        self._sample_kernel = _reading_storage(functools.partial(replay.sample, config))
+        self._version_kernel = _reading_storage(lambda state, version: (
+            replay.set_policy_version(config, state, version),))
         self._status_kernel = jax.jit(functools.partial(replay.status, config))
         self._update_kernel = jax.jit(functools.partial(replay.update, config))
         self._known_size = 0  # a lower bound of the stored item count: it never decreases
@@ -174,8 +177,8 @@ class ExperienceDataPlane:
             self._wait_until(self._sample_refusal, timeout)
             start_time = time.perf_counter()
             state = self.state
-            sampler_state, limiter_state, delivery = self._sample_kernel(state.storage, state.sampler, state.limiter)
-            self.state = ReplayState(state.storage, sampler_state, limiter_state)
+            rest, delivery = self._sample_kernel(state.storage, _replace(state, storage=None))
+            self.state = _replace(rest, storage=state.storage)
             self._timings["sample"].append(time.perf_counter() - start_time)
             self._changed.notify_all()
         return delivery
@@ -239,8 +242,24 @@ class ExperienceDataPlane:
         start_time = time.perf_counter()
         with self._changed:
             sampler_state = self._update_kernel(self.state, ids_pad, prio_pad, valid)
-            self.state = ReplayState(self.state.storage, sampler_state, self.state.limiter)
+            self.state = _replace(self.state, sampler=sampler_state)
             self._timings["update"].append(time.perf_counter() - start_time)
+
+    # -- policy version ---------------------------------------------------------------------------------------------
+    def set_policy_version(self, version: int) -> None:
+        """Tell the plane the learner's current policy version (it never goes back). With ``staleness`` set, items
+        more than ``max_versions`` behind are never delivered from now on."""
+        if not isinstance(version, (int, np.integer)) or isinstance(version, bool) or not 0 <= version < 2**31:
+            raise ConfigError(f"set_policy_version(): version must be an int in [0, 2**31), got {version!r}")
+        with self._changed:
+            current = self._status()["policy_version"]
+            if version < current:
+                raise ConfigError(f"set_policy_version(): versions only move forward; the plane is at {current}, "
+                                  f"got {version}")
+            state = self.state
+            (rest,) = self._version_kernel(state.storage, _replace(state, storage=None), np.int32(version))
+            self.state = _replace(rest, storage=state.storage)
+            self._changed.notify_all()
 
     # -- status -------------------------------------------------------------------------------------------------
     def _status(self) -> dict[str, int]:
@@ -266,11 +285,26 @@ class ExperienceDataPlane:
             out["deliverable"] = status["deliverable"]
         if "priority_updates_ignored" in status:
             out["priority_updates_ignored"] = status["priority_updates_ignored"]
+        out["policy_version"] = status["policy_version"]
+        if self.config.staleness is not None:
+            out["stale_draws"] = status["stale_draws"]
         for stage, times in self._timings.items():
             out[f"{stage}_calls"] = len(times)
             if times:
                 out[f"{stage}_median_s"] = float(np.median(times[-1000:]))
         return out
+
+
+def _reading_storage(step):
+    """Jit ``step(state, *args) -> (state', *outputs)`` for steps that only read storage: the storage goes in as its
+    own (not donated) argument and does not come out, the rest of the state is donated. Returning the unchanged
+    storage from a jitted function would make XLA copy the whole buffer on every call."""
+
+    def kernel(storage_state, rest, *args):
+        new_state, *outputs = step(_replace(rest, storage=storage_state), *args)
+        return (_replace(new_state, storage=None), *outputs)
+
+    return jax.jit(kernel, donate_argnums=(1,))
 
 
 def _padded(leaf, start: int, m: int, rows: int):
@@ -340,5 +374,15 @@ def _check_config(config: ReplayConfig, capacity) -> None:
                 spec.shapes[spec.names.index(key)] != ():
             raise ConfigError(f"ExperienceDataPlane(): the {sampler.name} sampler needs a per-item bool leaf '{key}' "
                               f"(episode ends); the spec is {spec}")
+    staleness = config.staleness
+    if staleness is not None:
+        if not isinstance(staleness, Staleness) or not isinstance(staleness.max_versions, int) or \
+                staleness.max_versions < 0:
+            raise ConfigError(f"ExperienceDataPlane(): staleness must be limits.Staleness(max_versions >= 0, key), "
+                              f"got {staleness!r}")
+        if staleness.key not in spec.names or spec.dtypes[spec.names.index(staleness.key)] != np.int32 or \
+                spec.shapes[spec.names.index(staleness.key)] != ():
+            raise ConfigError(f"ExperienceDataPlane(): staleness needs a per-item int32 leaf '{staleness.key}' (the "
+                              f"policy version each item was produced with); the spec is {spec}")
     if capacity >= 2**31:
         raise ConfigError(f"ExperienceDataPlane(): capacity must be below 2**31 (int32 row ids), got {capacity}")

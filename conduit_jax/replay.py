@@ -7,6 +7,7 @@ per-shard body runs under ``jax.shard_map``; ``plane.py`` jits them, donates the
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, NamedTuple, Optional
 
@@ -18,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 from conduit_jax import storage
 from conduit_jax._pytree import state_dataclass
-from conduit_jax.limits import Limiter, LimiterState
+from conduit_jax.limits import Limiter, LimiterState, Staleness
 from conduit_jax.samplers import InsertView, Sampler, ShardView
 from conduit_jax.spec import ExperienceSpec
 
@@ -28,6 +29,8 @@ class ReplayState:
     storage: storage.StorageState
     sampler: Any
     limiter: LimiterState
+    policy_version: jax.Array  # int32[]: the learner's current policy version (see limits.Staleness)
+    stale_draws: jax.Array  # int32[]: drawn rows masked out because their item was too old
 
 
 class Delivery(NamedTuple):
@@ -45,6 +48,7 @@ class ReplayConfig(NamedTuple):
     layout: storage.RowLayout
     sampler: Sampler
     limiter: Limiter
+    staleness: Optional[Staleness]
     mesh: Mesh
     axes: tuple[str, ...]
     capacity: int
@@ -67,6 +71,8 @@ def init(config: ReplayConfig, seed: int) -> ReplayState:
         storage=storage.init(config.layout, config.capacity, config.num_shards),
         sampler=config.sampler.init(config.capacity, config.num_shards, seed),
         limiter=config.limiter.init(),
+        policy_version=jnp.zeros((), jnp.int32),
+        stale_draws=jnp.zeros((), jnp.int32),
     )
 
 
@@ -128,6 +134,8 @@ def ingest(config: ReplayConfig, state: ReplayState, batch, n, *, packed: bool =
                                          next_shard=(st.next_shard + n) % config.num_shards),
             sampler=config.sampler.on_insert(state.sampler, view),
             limiter=config.limiter.on_insert(state.limiter, n),
+            policy_version=state.policy_version,
+            stale_draws=state.stale_draws,
         )
 
     return _shard_mapped(config, per_shard, (specs, P(), P()), specs)(state, batch, n)
@@ -136,9 +144,10 @@ def ingest(config: ReplayConfig, state: ReplayState, batch, n, *, packed: bool =
 # ------------------------------------------------------------------------------------------------------------------
 # sample
 # ------------------------------------------------------------------------------------------------------------------
-def sample(config: ReplayConfig, state: ReplayState) -> tuple[Any, LimiterState, Delivery]:
-    """Draw one batch; returns the new sampler and limiter states and the delivery. Storage is only read, and is
-    not an output: returning it unchanged from a jitted step would make XLA copy the whole buffer.
+def sample(config: ReplayConfig, state: ReplayState) -> tuple[ReplayState, Delivery]:
+    """Draw one batch; returns the new state and the delivery. The new state's storage is ``state.storage`` itself:
+    jit callers must not return it (an unchanged buffer returned from a jitted step is copied whole), so the shell's
+    kernel returns ``new_state.replace(storage=None)`` and reattaches the storage.
 
     The batch comes back sharded over the shard axes: shard s holds rows
     ``[s*B/S, (s+1)*B/S)``. Ids, generations and weights travel in the same packed exchange as the rows."""
@@ -185,8 +194,19 @@ def sample(config: ReplayConfig, state: ReplayState) -> tuple[Any, LimiterState,
     if packed.shape[1] > column:  # the sampler marked draws that are not deliveries
         keep = packed[:, column] != 0
         mask = keep if mask is None else mask & keep[:, None]
-    limiter_state = config.limiter.on_sample(state.limiter, config.sampler.batch_size)
-    return sampler_state, limiter_state, Delivery(data, ids, weights, mask)
+    stale_draws = state.stale_draws
+    if config.staleness is not None:
+        version = data
+        for part in config.staleness.key.split("/"):
+            version = version[part]
+        fresh = version >= state.policy_version - config.staleness.max_versions
+        first_fresh = fresh if fresh.ndim == 1 else fresh[:, 0]
+        stale_draws = stale_draws + jnp.sum(~first_fresh).astype(jnp.int32)
+        mask = fresh if mask is None else mask & fresh
+    new_state = ReplayState(state.storage, sampler_state,
+                            config.limiter.on_sample(state.limiter, config.sampler.batch_size),
+                            state.policy_version, stale_draws)
+    return new_state, Delivery(data, ids, weights, mask)
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -202,6 +222,27 @@ def update(config: ReplayConfig, state: ReplayState, ids, priorities, valid):
         return config.sampler.update(state.sampler, view, ids, priorities, valid)
 
     return _shard_mapped(config, per_shard, (specs, P(), P(), P()), specs.sampler)(state, ids, priorities, valid)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# policy version
+# ------------------------------------------------------------------------------------------------------------------
+def set_policy_version(config: ReplayConfig, state: ReplayState, version) -> ReplayState:
+    """Move the current policy version; samplers with a priority index retire the items that became too old."""
+    state = dataclasses.replace(state, policy_version=version)
+    if config.staleness is None or config.sampler.retire is None:
+        return state
+    specs = partition_specs(config)
+    oldest = version - config.staleness.max_versions
+
+    def per_shard(state: ReplayState):
+        st = state.storage
+        slots = lax.iota(jnp.int32, config.shard_capacity)
+        versions = config.layout.read_leaf(st.rows, config.staleness.key, slots)
+        return config.sampler.retire(state.sampler, slots, versions < oldest)
+
+    sampler_state = _shard_mapped(config, per_shard, (specs,), specs.sampler)(state)
+    return dataclasses.replace(state, sampler=sampler_state)
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -221,4 +262,6 @@ def status(config: ReplayConfig, state: ReplayState) -> dict[str, jax.Array]:
     if ignored is not None:
         out["priority_updates_ignored"] = ignored
     out["limiter_balance"] = state.limiter.balance
+    out["policy_version"] = state.policy_version
+    out["stale_draws"] = state.stale_draws
     return out

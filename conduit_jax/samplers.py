@@ -85,6 +85,7 @@ class Sampler(NamedTuple):
     deliverable: Optional[Callable[[Any, jax.Array], jax.Array]] = None
     consumes: bool = False
     weigh: Optional[Callable[[Any, jax.Array, jax.Array], jax.Array]] = None
+    retire: Optional[Callable[[Any, jax.Array, jax.Array], Any]] = None  # (state, slots, stale) -> state, per shard
     window: int = 1  # steps per delivered sequence (1: plain items, no time axis)
     streams: int = 1  # environments per ingest step; batches hold multiples of it
     needs: tuple[str, ...] = ()  # leaves the spec must have (boolean episode ends)
@@ -367,8 +368,12 @@ def _priority_sampler(name: str, batch_size: int, alpha: float, beta, eps: float
         return _replace_state(state, levels=levels, max_priority=jnp.maximum(state.max_priority, top),
                               ignored_updates=state.ignored_updates + ignored)
 
+    def retire(state: PriorityState, slots, stale):
+        """Zero the mass of ``slots`` where ``stale``: they are never drawn again (until rewritten)."""
+        return _replace_state(state, levels=sumtree.set_leaves(state.levels, slots, jnp.zeros(slots.shape), stale))
+
     return Sampler(name=name, batch_size=batch_size, min_items=1, init=init,
-                   on_insert=insert, sample=sample, update=update, weigh=weigh,
+                   on_insert=insert, sample=sample, update=update, weigh=weigh, retire=retire,
                    deliverable=None if max_times_sampled is None else _has_mass)
 
 
