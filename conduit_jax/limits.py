@@ -55,6 +55,7 @@ class Limiter(NamedTuple):
     check: Callable[[int], None]
     limits_inserts: bool = False  # False: can_insert is always true (the shell skips reading state)
     limits_samples: bool = False  # False: can_sample depends on the stored count alone
+    params: tuple = ()  # ((argument, value), ...) of the constructor call: rebuilds the limiter from a checkpoint
 
 
 def _int(value, name: str, where: str, low: int) -> int:
@@ -74,6 +75,7 @@ def min_size(size: int = 1) -> Limiter:
         on_insert=lambda state, n: state,
         on_sample=lambda state, batch: state,
         check=lambda batch: None,
+        params=(("size", size),),
     )
 
 
@@ -110,4 +112,14 @@ def sample_to_insert_ratio(samples_per_insert: float, min_size: int, error_buffe
         check=check,
         limits_inserts=True,
         limits_samples=True,
+        params=(("error_buffer", error_buffer), ("min_size", min_items), ("samples_per_insert", samples_per_insert)),
     )
+
+
+def from_params(name: str, params) -> Limiter:
+    """Rebuild a limiter from ``(limiter.name, dict(limiter.params))``, as a checkpoint records it."""
+    kind = name.split("(")[0]
+    constructors = {"min_size": min_size, "sample_to_insert_ratio": sample_to_insert_ratio}
+    if kind not in constructors:
+        raise ConfigError(f"limits.from_params(): unknown limiter {name!r}; known: {sorted(constructors)}")
+    return constructors[kind](**dict(params))

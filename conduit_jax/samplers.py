@@ -86,6 +86,7 @@ class Sampler(NamedTuple):
     consumes: bool = False
     weigh: Optional[Callable[[Any, jax.Array, jax.Array], jax.Array]] = None
     retire: Optional[Callable[[Any, jax.Array, jax.Array], Any]] = None  # (state, slots, stale) -> state, per shard
+    params: tuple = ()  # ((argument, value), ...) of the constructor call: rebuilds the sampler from a checkpoint
     window: int = 1  # steps per delivered sequence (1: plain items, no time axis)
     streams: int = 1  # environments per ingest step; batches hold multiples of it
     needs: tuple[str, ...] = ()  # leaves the spec must have (boolean episode ends)
@@ -158,7 +159,7 @@ def uniform(batch_size: int) -> Sampler:
         return RandomState(state.key, state.counter + 1), Selection(slot, owner, None)
 
     return Sampler(
-        name="uniform", batch_size=batch_size, min_items=1,
+        name="uniform", batch_size=batch_size, min_items=1, params=_params(batch_size=batch_size),
         init=lambda capacity, num_shards, seed: _random_state(seed),
         on_insert=lambda state, view: state,
         sample=sample,
@@ -225,7 +226,7 @@ def epochs(batch_size: int) -> Sampler:
         return EpochState(state.key, epoch, step + 1, epoch_size), Selection(slot, owner, None)
 
     return Sampler(
-        name="epochs", batch_size=batch_size, min_items=batch_size,
+        name="epochs", batch_size=batch_size, min_items=batch_size, params=_params(batch_size=batch_size),
         init=init,
         on_insert=on_insert,
         sample=sample,
@@ -260,7 +261,7 @@ def fifo(batch_size: int) -> Sampler:
         return QueueState(head, state.pending - batch_size), Selection(slots, None, None)
 
     return Sampler(
-        name="fifo", batch_size=batch_size, min_items=batch_size,
+        name="fifo", batch_size=batch_size, min_items=batch_size, params=_params(batch_size=batch_size),
         init=init,
         on_insert=on_insert,
         sample=sample,
@@ -406,7 +407,8 @@ def prioritized(batch_size: int, alpha: float = 0.6, beta=0.4, eps: float = 1e-6
         levels = sumtree.set_leaves(state.levels, view.slots, jnp.full(view.slots.shape, value), view.valid)
         return _replace_state(state, levels=levels)
 
-    return _priority_sampler("prioritized", batch_size, alpha, beta, eps, on_insert, max_times_sampled)
+    return _priority_sampler("prioritized", batch_size, alpha, beta, eps, on_insert, max_times_sampled)._replace(
+        params=_params(batch_size=batch_size, alpha=alpha, beta=beta, eps=eps, max_times_sampled=max_times_sampled))
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -470,7 +472,10 @@ def sequences(batch_size: int, length: int, streams: int, *, burn_in: int = 0, p
         return before == 0
 
     base = _priority_sampler("sequences", batch_size, exponent, beta, eps, on_insert, max_times_sampled)
-    return base._replace(window=window, streams=streams, needs=tuple(end_keys), mask=mask if pad else None,
+    params = _params(batch_size=batch_size, length=length, streams=streams, burn_in=burn_in, period=period, pad=pad,
+                     end_keys=list(end_keys), alpha=alpha, beta=beta, eps=eps, max_times_sampled=max_times_sampled)
+    return base._replace(params=params, window=window, streams=streams, needs=tuple(end_keys),
+                         mask=mask if pad else None,
                          weigh=base.weigh if weighted else None, update=base.update if weighted else None,
                          deliverable=_has_mass)
 
@@ -480,3 +485,24 @@ def _leaf(tree, name: str):
     for part in name.split("/"):
         node = node[part]
     return node
+
+
+def _params(**kwargs) -> tuple:
+    """Constructor arguments as a hashable tuple; a schedule (callable) is recorded as None: not serialisable."""
+    return tuple(sorted((k, None if callable(v) else (tuple(v) if isinstance(v, list) else v))
+                        for k, v in kwargs.items()))
+
+
+def from_params(name: str, params) -> Sampler:
+    """Rebuild a sampler from ``(sampler.name, dict(sampler.params))``, as a checkpoint records it."""
+    constructors = {"uniform": uniform, "epochs": epochs, "fifo": fifo, "prioritized": prioritized,
+                    "sequences": sequences}
+    if name not in constructors:
+        raise ConfigError(f"samplers.from_params(): unknown sampler {name!r}; known: {sorted(constructors)}")
+    kwargs = dict(params)
+    if "beta" in kwargs and kwargs["beta"] is None:
+        raise ConfigError(f"samplers.from_params(): the {name} sampler used a beta schedule, which a checkpoint cannot "
+                          f"record; pass the sampler explicitly")
+    if "end_keys" in kwargs:
+        kwargs["end_keys"] = tuple(kwargs["end_keys"])
+    return constructors[name](**kwargs)
