@@ -7,6 +7,7 @@ state exactly as it was. Everything that must survive a checkpoint is in ``plane
 
 from __future__ import annotations
 
+import collections
 import functools
 import threading
 import time
@@ -17,7 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-from conduit_jax import limits, replay, samplers, storage
+from conduit_jax import limits, metrics, replay, samplers, storage
+from conduit_jax import schedule as schedule_lib
 from conduit_jax.errors import (CapacityError, ConfigError, NotEnoughDataError, PriorityError, RateLimitedError,
                                 SpecError)
 from conduit_jax._pytree import replace as _replace
@@ -46,6 +48,7 @@ class ExperienceDataPlane:
       sampler: a ``samplers.*`` policy; default ``samplers.uniform(256)``.
       limiter: a ``limits.*`` rate limiter; default ``limits.min_size(1)``.
       staleness: ``limits.Staleness(max_versions, key)``: deliver only items at most that many policy versions old.
+      schedule: how ``deliver()`` overlaps sampling with the learner (``schedule.sync()`` by default).
       mesh: the devices to shard over (every axis of the mesh is used); default every local device on one axis.
       seed: seeds the sampler's random stream.
       cast: accept int64/float64 leaves and narrow them to the spec's 32-bit dtypes (x64 is off in JAX).
@@ -53,7 +56,8 @@ class ExperienceDataPlane:
 
     def __init__(self, spec, capacity: int, sampler: Optional[samplers.Sampler] = None, *,
                  limiter: Optional[limits.Limiter] = None, staleness: Optional[Staleness] = None,
-                 mesh: Optional[Mesh] = None, seed: int = 0, cast: bool = False):
+                 schedule: Optional[schedule_lib.Schedule] = None, mesh: Optional[Mesh] = None, seed: int = 0,
+                 cast: bool = False):
         self.spec = spec if isinstance(spec, ExperienceSpec) else ExperienceSpec.from_structs(spec)
         self.sampler = samplers.uniform(256) if sampler is None else sampler
         if not isinstance(self.sampler, samplers.Sampler):
@@ -78,10 +82,20 @@ class ExperienceDataPlane:
         self._version_kernel = _reading_storage(lambda state, version: (
             replay.set_policy_version(config, state, version),))
         self._status_kernel = jax.jit(functools.partial(replay.status, config))
-        self._update_kernel = jax.jit(functools.partial(replay.update, config))
+        self._update_kernel = _reading_storage(lambda state, ids, priorities, valid: (
+            _replace(state, sampler=replay.update(config, state, ids, priorities, valid)),))
         self._known_size = 0  # a lower bound of the stored item count: it never decreases
-        self._timings = {"ingest": [], "sample": [], "update": []}
+        self.timeline = metrics.Timeline()  # wall-clock spans per stage (see metrics.py)
         self._changed = threading.Condition()  # guards state; notified after every ingest and sample
+        self.schedule = schedule_lib.sync() if schedule is None else schedule
+        if not isinstance(self.schedule, schedule_lib.Schedule):
+            raise ConfigError(f"ExperienceDataPlane(): schedule must be a schedule.* policy (e.g. "
+                              f"schedule.overlap(2)), got {type(self.schedule).__name__}")
+        self._in_flight: collections.deque = collections.deque()  # dispatched, not yet delivered batches
+        self._queued_updates: collections.deque = collections.deque()  # (step, ids, priorities), deferred policy
+        self._depth = self.schedule.depth  # current prefetch depth (moves under the adaptive policy)
+        self._step = 0  # deliver() calls so far
+        self._last_delivery_end: Optional[float] = None
 
     # -- properties ---------------------------------------------------------------------------------------------
     @property
@@ -118,21 +132,25 @@ class ExperienceDataPlane:
             raise SpecError(f"ingest(): the {self.sampler.name} sampler takes whole steps of {self.sampler.streams} "
                             f"streams (time-major), so a batch must hold a multiple of {self.sampler.streams} items; "
                             f"got {n}")
-        leaves, treedef = jax.tree_util.tree_flatten(batch)
+        leaves = jax.tree_util.tree_leaves(batch)
         with self._changed:
             self._wait_until(lambda: self._ingest_refusal(n), timeout)
             start_time = time.perf_counter()
             chunk = self.capacity  # one kernel call writes at most a full ring per shard
-            on_host = not any(isinstance(leaf, jax.Array) for leaf in leaves)
             for start in range(0, n, chunk):
                 m = min(chunk, n - start)
                 rows = self.num_shards * storage.bucket_size(m, self.num_shards, self.config.shard_capacity)
-                if on_host:  # pack on the host: one array crosses to the device instead of one per leaf
-                    block = self.config.layout.pack_host(leaves, start, m, rows)
+                whole = start == 0 and m == rows
+                if whole and all(isinstance(leaf, jax.Array) for leaf in leaves):
+                    # device arrays of exactly a bucket's size go in as they are and are packed on the device
+                    block, packed = batch, False
                 else:
-                    block = jax.tree_util.tree_unflatten(treedef, [_padded(leaf, start, m, rows) for leaf in leaves])
-                self.state = self._ingest_kernel(rows, on_host)(self.state, block, np.int32(m))
-            self._timings["ingest"].append(time.perf_counter() - start_time)
+                    # everything else is packed on the host into one array: one transfer instead of one per leaf,
+                    # the caller's buffers are never aliased, and no op runs on the unpadded shape (which would
+                    # compile once per batch size)
+                    block, packed = self.config.layout.pack_host(leaves, start, m, rows), True
+                self.state = self._ingest_kernel(rows, packed)(self.state, block, np.int32(m))
+            self.timeline.record("ingest", start_time, time.perf_counter())
             self._changed.notify_all()
 
     def can_ingest(self, n: int = 1) -> bool:
@@ -179,9 +197,72 @@ class ExperienceDataPlane:
             state = self.state
             rest, delivery = self._sample_kernel(state.storage, _replace(state, storage=None))
             self.state = _replace(rest, storage=state.storage)
-            self._timings["sample"].append(time.perf_counter() - start_time)
+            self.timeline.record("sample", start_time, time.perf_counter())
             self._changed.notify_all()
         return delivery
+
+    # -- delivery under a schedule ----------------------------------------------------------------------------------
+    def deliver(self, *, timeout: Optional[float] = 0.0) -> Delivery:
+        """The learner's next batch, under the plane's ``schedule`` (see schedule.py); the batch is ready (computed)
+        when this returns, and the time spent waiting here is the exposed experience-path latency.
+
+        With ``overlap``/``deferred``/``adaptive`` the batch was dispatched during earlier learner steps and the next
+        ones are dispatched before this returns. ``timeout`` applies when no batch is in flight (as in ``sample``).
+        """
+        start = time.perf_counter()
+        if self._last_delivery_end is not None:
+            self.timeline.record("learner", self._last_delivery_end, start)
+        self._apply_due_updates()
+        if not self._in_flight:
+            self._in_flight.append(self.sample(timeout=timeout))
+        delivery = self._in_flight.popleft()
+        self._step += 1
+        self._adapt_depth()
+        while len(self._in_flight) < self._depth and self.can_sample():
+            self._in_flight.append(self.sample())
+        if self.config.staleness is not None:
+            delivery = self._recheck_staleness(delivery)
+        jax.block_until_ready(delivery)
+        self._last_delivery_end = time.perf_counter()
+        self.timeline.record("exposed", start, self._last_delivery_end)
+        return delivery
+
+    def sample_fn(self):
+        """The pure sampling step ``state -> (state, Delivery)`` for use inside the learner's own jitted step (the
+        fused path: no dispatch of its own). Call it on ``plane.state``, donate the state to your jit, and store the
+        returned state back with ``plane.state = ...``; the host-side checks of ``sample()`` do not run there."""
+        return functools.partial(replay.sample, self.config)
+
+    def _apply_due_updates(self) -> None:
+        """Deferred policy: apply, in one kernel call, every queued update reported at a step <= current - k."""
+        due = []
+        with self._changed:
+            while self._queued_updates and self._queued_updates[0][0] <= self._step - self.schedule.defer:
+                due.append(self._queued_updates.popleft())
+        if due:
+            self._apply_updates(np.concatenate([ids for _, ids, _ in due]),
+                                np.concatenate([prio for _, _, prio in due]))
+
+    def _adapt_depth(self) -> None:
+        if not self.schedule.adaptive:
+            return
+        stages = self.timeline.summary()
+        exposed, learner = stages.get("exposed"), stages.get("learner")
+        if exposed and learner:
+            # more in flight while the learner still waits a noticeable part of its step; fewer when it never does
+            if exposed["median_us"] > 0.1 * learner["median_us"]:
+                self._depth = min(self.schedule.depth, self._depth + 1)
+            elif exposed["p99_us"] < 0.01 * learner["median_us"]:
+                self._depth = max(1, self._depth - 1)
+
+    def _recheck_staleness(self, delivery: Delivery) -> Delivery:
+        """A batch dispatched before a policy-version switch may hold items the new version makes too old."""
+        version = delivery.data
+        for part in self.config.staleness.key.split("/"):
+            version = version[part]
+        fresh = version >= self.state.policy_version - self.config.staleness.max_versions
+        mask = fresh if delivery.mask is None else delivery.mask & fresh
+        return delivery._replace(mask=mask)
 
     def can_sample(self) -> bool:
         """Whether ``sample()`` would deliver now without waiting."""
@@ -232,6 +313,13 @@ class ExperienceDataPlane:
             raise ConfigError(f"update_priorities(): the {self.sampler.name} sampler has no priorities; build the "
                               f"plane with samplers.prioritized(...) to use them")
         ids_np, prio_np = _checked_priority_update(ids, priorities, self.capacity)
+        if self.schedule.defer:
+            with self._changed:
+                self._queued_updates.append((self._step, ids_np, prio_np))
+            return
+        self._apply_updates(ids_np, prio_np)
+
+    def _apply_updates(self, ids_np: np.ndarray, prio_np: np.ndarray) -> None:
         m = ids_np.shape[0]
         bucket = 1 << max(0, (m - 1).bit_length())
         ids_pad = np.zeros((bucket, 2), np.int32)
@@ -241,9 +329,10 @@ class ExperienceDataPlane:
         valid = np.arange(bucket) < m
         start_time = time.perf_counter()
         with self._changed:
-            sampler_state = self._update_kernel(self.state, ids_pad, prio_pad, valid)
-            self.state = _replace(self.state, sampler=sampler_state)
-            self._timings["update"].append(time.perf_counter() - start_time)
+            state = self.state
+            (rest,) = self._update_kernel(state.storage, _replace(state, storage=None), ids_pad, prio_pad, valid)
+            self.state = _replace(rest, storage=state.storage)
+            self.timeline.record("update", start_time, time.perf_counter())
 
     # -- policy version ---------------------------------------------------------------------------------------------
     def set_policy_version(self, version: int) -> None:
@@ -265,6 +354,14 @@ class ExperienceDataPlane:
     def _status(self) -> dict[str, int]:
         return {k: int(v) for k, v in jax.device_get(self._status_kernel(self.state)).items()}
 
+    def compile_counts(self) -> dict[str, int]:
+        """How many programs each kernel has compiled; steady state never adds one (no recompilation)."""
+        counts = {f"ingest[{rows}{',packed' if packed else ''}]": kernel._cache_size()
+                  for (rows, packed), kernel in sorted(self._ingest_kernels.items())}
+        for name in ("sample", "update", "status", "version"):
+            counts[name] = getattr(self, f"_{name}_kernel")._cache_size()
+        return counts
+
     def stats(self) -> dict[str, Any]:
         """Counters of the plane, read from the state, plus the shell's wall-clock timings per call."""
         with self._changed:
@@ -279,7 +376,7 @@ class ExperienceDataPlane:
             "items_overwritten": inserted - status["size"],
             "sampler": self.sampler.name,
             "limiter": self.limiter.name,
-            "compiled_ingest_kernels": len(self._ingest_kernels),
+            "compiled": self.compile_counts(),
         }
         if self.sampler.deliverable is not None:
             out["deliverable"] = status["deliverable"]
@@ -288,10 +385,9 @@ class ExperienceDataPlane:
         out["policy_version"] = status["policy_version"]
         if self.config.staleness is not None:
             out["stale_draws"] = status["stale_draws"]
-        for stage, times in self._timings.items():
-            out[f"{stage}_calls"] = len(times)
-            if times:
-                out[f"{stage}_median_s"] = float(np.median(times[-1000:]))
+        out["schedule"] = self.schedule.name
+        out["prefetch_depth"] = self._depth
+        out["stages"] = self.timeline.summary()
         return out
 
 
@@ -305,13 +401,6 @@ def _reading_storage(step):
         return (_replace(new_state, storage=None), *outputs)
 
     return jax.jit(kernel, donate_argnums=(1,))
-
-
-def _padded(leaf, start: int, m: int, rows: int):
-    """Rows [start, start+m) of a leaf padded to ``rows`` rows (the tail is padding the kernel masks)."""
-    leaf = jnp.asarray(leaf)
-    part = leaf[start:start + m] if (start or m != leaf.shape[0]) else leaf
-    return part if m == rows else jnp.pad(part, [(0, rows - m)] + [(0, 0)] * (part.ndim - 1))
 
 
 def _checked_priority_update(ids, priorities, capacity: int):

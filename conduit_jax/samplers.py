@@ -245,7 +245,9 @@ class QueueState:
 def fifo(batch_size: int) -> Sampler:
     """A queue: each item is delivered exactly once, oldest first. Ingest refuses (never overwrites) items that have
     not been delivered yet. Round-robin dealing puts global item g at shard g % S, slot g // S, so when every shard
-    reads its next ``batch_size // S`` rows the batch is exactly the next ``batch_size`` items in insertion order."""
+    reads its next ``batch_size // S`` rows the batch holds exactly the next ``batch_size`` items. Within the batch
+    each shard's block is in insertion order (shard-major, no cross-device exchange): on one shard that is the
+    global insertion order; on S shards the order inside the batch is g0, g0+S, ..., then g0+1, g0+1+S, ..."""
     _check_batch_size(batch_size, "fifo")
 
     def init(capacity, num_shards, seed):
@@ -360,7 +362,7 @@ def _priority_sampler(name: str, batch_size: int, alpha: float, beta, eps: float
         current = sumtree.leaf_values(state.levels, slot)
         # an id whose slot was rewritten since it was sampled names another item now: ignore it, never apply it
         live = mine & (generation == storage.slot_generation(view.cursor, view.laps, slot)) & (current > 0)
-        values = jnp.power(priorities + eps, alpha)
+        values = _mass(priorities, alpha, eps)
         levels = sumtree.set_leaves(state.levels, slot, values, live)
         top = jnp.max(jnp.where(live, priorities, 0.0))
         ignored = jnp.sum(mine & ~live).astype(jnp.int32)
@@ -376,6 +378,12 @@ def _priority_sampler(name: str, batch_size: int, alpha: float, beta, eps: float
     return Sampler(name=name, batch_size=batch_size, min_items=1, init=init,
                    on_insert=insert, sample=sample, update=update, weigh=weigh, retire=retire,
                    deliverable=None if max_times_sampled is None else _has_mass)
+
+
+def _mass(priority, alpha: float, eps: float):
+    """A live item's mass (p + eps)^alpha, kept >= the smallest normal float32: with a large alpha it would underflow
+    to 0, and a zero mass means "never draw, never update" (retired) to the sum tree."""
+    return jnp.maximum(jnp.power(priority + eps, alpha), jnp.finfo(jnp.float32).tiny)
 
 
 def _has_mass(state: PriorityState, size):
@@ -403,7 +411,7 @@ def prioritized(batch_size: int, alpha: float = 0.6, beta=0.4, eps: float = 1e-6
         raise ConfigError(f"samplers.prioritized(): beta must be >= 0 or a schedule, got {beta!r}")
 
     def on_insert(state: PriorityState, view: InsertView):
-        value = jnp.power(state.max_priority + eps, alpha)
+        value = _mass(state.max_priority, alpha, eps)
         levels = sumtree.set_leaves(state.levels, view.slots, jnp.full(view.slots.shape, value), view.valid)
         return _replace_state(state, levels=levels)
 
@@ -451,7 +459,11 @@ def sequences(batch_size: int, length: int, streams: int, *, burn_in: int = 0, p
         members = (view.slots[:, None] - back[None, :]) % view.shard_capacity  # [k, window] slots, oldest first
         position = view.cursor + lax.iota(jnp.int32, k)  # rows written before this one in the current lap
         exists = (view.laps > 0) | (position >= (window - 1) * stride)
-        eligible = view.valid & exists
+        # rows of this same batch written after row i must not have reached the window's first slot again (a batch
+        # as large as the ring laps over its own older steps)
+        later = jnp.sum(view.valid.astype(jnp.int32)) - 1 - lax.iota(jnp.int32, k)
+        intact = later < view.shard_capacity - (window - 1) * stride
+        eligible = view.valid & exists & intact
         if not pad:
             ends = functools.reduce(jnp.logical_or, [view.read(key, members[:, :-1]) for key in end_keys]) \
                 if window > 1 else jnp.zeros((k, 0), jnp.bool_)
@@ -461,7 +473,7 @@ def sequences(batch_size: int, length: int, streams: int, *, burn_in: int = 0, p
             start_position = (view.laps % modulus) * (view.shard_capacity % modulus) + position \
                 - (window - 1) * stride
             eligible &= ((start_position % modulus) // stride) % period == 0
-        value = jnp.power(state.max_priority + eps, exponent) if weighted else jnp.float32(1.0)
+        value = _mass(state.max_priority, exponent, eps) if weighted else jnp.float32(1.0)
         levels = sumtree.set_leaves(levels, members[:, 0], jnp.full((k,), value), eligible)
         return _replace_state(state, levels=levels)
 

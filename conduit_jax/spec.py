@@ -86,11 +86,12 @@ class ExperienceSpec:
         """
         def as_struct(x):
             dtype = _dtype_of(x)
-            if isinstance(x, bool):
+            # plain Python scalars only: np.float64 subclasses float but is a 64-bit value that needs cast=True
+            if type(x) is bool:
                 dtype = np.dtype(np.bool_)
-            elif isinstance(x, int):
+            elif type(x) is int:
                 dtype = np.dtype(np.int32)
-            elif isinstance(x, float):
+            elif type(x) is float:
                 dtype = np.dtype(np.float32)
             if cast:
                 dtype = _WIDE_TO_NARROW.get(dtype, dtype)

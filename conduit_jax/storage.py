@@ -72,11 +72,12 @@ class RowLayout(NamedTuple):
             if x.dtype != dtype:  # 64-bit input admitted by cast=True
                 x = x.astype(dtype)
             x = x.reshape(n, slot.elems)
-            if dtype == np.bool_:
-                x = x.astype(jnp.uint8)
             if slot.per_word == 1:
                 parts.append(lax.bitcast_convert_type(x, jnp.uint32))
                 continue
+            # move to unsigned bits before padding: XLA:CPU's pad canonicalises bfloat16 NaN payloads
+            x = x.astype(jnp.uint8) if dtype == np.bool_ else lax.bitcast_convert_type(
+                x, jnp.uint8 if slot.per_word == 4 else jnp.uint16)
             pad = slot.words * slot.per_word - slot.elems
             if pad:
                 x = jnp.pad(x, ((0, 0), (0, pad)))

@@ -31,3 +31,38 @@ def mesh(request):
 def any_mesh(request):
     """One device, a 1-D 8-device mesh and a 2x4 mesh (capacity sharded over both axes)."""
     return MESHES[request.param]()
+
+
+@pytest.fixture(scope="module", params=["1dev", "8dev"])
+def module_mesh(request):
+    """Like ``mesh`` but shared by a module's tests, so a plane built once can serve many read-only checks."""
+    return MESHES[request.param]()
+
+
+def _host_leaves(state):
+    import numpy as np
+
+    flat, _ = jax.tree_util.tree_flatten_with_path(jax.device_get(state))
+    return [(jax.tree_util.keystr(path), np.asarray(leaf)) for path, leaf in flat]
+
+
+@pytest.fixture
+def state_snapshot():
+    """``check = state_snapshot(plane)``; later ``check()`` asserts every leaf of ``plane.state`` is bit-identical
+    (same tree, shape, dtype and bytes) to what it was at the snapshot, and was not donated away."""
+    import numpy as np
+
+    def snapshot(plane):
+        treedef = jax.tree_util.tree_structure(plane.state)
+        before = _host_leaves(plane.state)
+
+        def check():
+            assert jax.tree_util.tree_structure(plane.state) == treedef
+            after = _host_leaves(plane.state)
+            for (path, old), (_, new) in zip(before, after):
+                assert old.dtype == new.dtype and old.shape == new.shape, path
+                assert np.array_equal(old, new), f"state leaf {path} changed"
+
+        return check
+
+    return snapshot

@@ -1,0 +1,62 @@
+"""Latency-aware scheduling policies for delivery: when the plane's kernels run relative to the learner's step.
+
+A policy is data; the shell (``ExperienceDataPlane.deliver``) carries it out.
+
+* ``sync()``: the baseline, as RLlib runs it: each ``deliver()`` samples and waits, on the learner's critical path.
+* ``overlap(depth)``: ``deliver()`` hands out a batch dispatched earlier and immediately dispatches the next, so up
+  to ``depth`` batches are in flight while the learner computes (JAX async dispatch).
+* ``deferred(k, depth)``: overlap, plus priority updates queued on the host and applied in one coalesced kernel call;
+  the bound: a batch dispatched at step t has seen every update reported at steps <= t - k.
+* ``adaptive(max_depth, k)``: overlap whose depth follows the measured stage times: enough batches in flight to
+  cover one sample's latency with the learner's step time, within ``max_depth``.
+
+Semantics every policy keeps: the rate limiter sees a prefetched batch when it is dispatched (so the
+samples-per-insert ratio counts it); a FIFO dispatches each item exactly once (prefetch moves the queue head once per
+batch); on a policy-version switch the in-flight batches are re-checked against the new version, so an on-policy
+batch never holds items older than the staleness bound allows.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+from conduit_jax.errors import ConfigError
+
+
+class Schedule(NamedTuple):
+    name: str
+    depth: int  # batches kept in flight (0: sample on demand)
+    defer: int  # priority-update staleness bound k (0: apply at once)
+    adaptive: bool = False
+
+    def target_depth(self, sample_s: float, learner_s: float) -> int:
+        """In-flight batches needed to hide one sample (``sample_s``) behind learner steps of ``learner_s``."""
+        if not self.adaptive:
+            return self.depth
+        if learner_s <= 0:
+            return self.depth
+        return max(1, min(self.depth, math.ceil(sample_s / learner_s) + 1))
+
+
+def _positive(value, name: str, where: str, low: int = 1) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise ConfigError(f"schedule.{where}(): {name} must be an int >= {low}, got {value!r}")
+    return value
+
+
+def sync() -> Schedule:
+    return Schedule("sync", depth=0, defer=0)
+
+
+def overlap(depth: int = 2) -> Schedule:
+    return Schedule("overlap", depth=_positive(depth, "depth", "overlap"), defer=0)
+
+
+def deferred(k: int = 2, depth: int = 2) -> Schedule:
+    return Schedule("deferred", depth=_positive(depth, "depth", "deferred"), defer=_positive(k, "k", "deferred"))
+
+
+def adaptive(max_depth: int = 4, k: int = 1) -> Schedule:
+    return Schedule("adaptive", depth=_positive(max_depth, "max_depth", "adaptive"),
+                    defer=_positive(k, "k", "adaptive", low=0), adaptive=True)

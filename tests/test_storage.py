@@ -1,0 +1,329 @@
+"""Storage: the packed row layout (bit-exact round trips) and the sharded round-robin rings (positions computed
+by hand)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conduit_jax import ExperienceDataPlane, ExperienceSpec, replay, samplers, storage
+from conduit_jax.spec import SUPPORTED_DTYPES
+
+SHAPES = [(), (1,), (2,), (3,), (5,), (7,), (2, 3)]
+
+
+def random_leaf(rng, n, shape, dtype, nan_payloads=False):
+    """``n`` items of random *bits* of ``dtype`` (infinities, subnormals, -0 included for floats). NaNs keep their
+    random payloads only with ``nan_payloads``; otherwise they become the canonical quiet NaN of their sign (the NaN
+    payload contract has its own test)."""
+    dtype = np.dtype(dtype)
+    if dtype == np.bool_:
+        return rng.integers(0, 2, (n, *shape)).astype(np.bool_)
+    raw = rng.integers(0, 256, n * int(np.prod(shape, dtype=np.int64)) * dtype.itemsize, dtype=np.uint8)
+    x = raw.view(dtype).reshape(n, *shape)
+    if dtype.name in ("float16", "bfloat16", "float32") and not nan_payloads:
+        word = {2: np.uint16, 4: np.uint32}[dtype.itemsize]
+        sign = word(1 << (8 * dtype.itemsize - 1))
+        quiet = word({"float16": 0x7E00, "bfloat16": 0x7FC0, "float32": 0x7FC00000}[dtype.name])
+        bits = x.view(word)
+        x = np.where(np.isnan(x.astype(np.float32)), (bits & sign) | quiet, bits).astype(word).view(dtype)
+    return x
+
+
+def assert_bits_equal(got, want):
+    got, want = np.atleast_1d(np.asarray(got)), np.atleast_1d(np.asarray(want))
+    assert got.dtype == want.dtype and got.shape == want.shape
+    np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))
+
+
+# -- RowLayout ------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", SUPPORTED_DTYPES, ids=lambda d: np.dtype(d).name)
+def test_pack_unpack_round_trip_bit_exact(dtype):
+    """Every supported dtype, as 0-d leaves and odd and even element counts (1- and 2-byte types pad to a word)."""
+    spec = ExperienceSpec.from_structs({f"s{i}": jax.ShapeDtypeStruct(shape, dtype) for i, shape in enumerate(SHAPES)})
+    layout = storage.RowLayout.of(spec)
+    per_word = 4 // np.dtype(dtype).itemsize
+    words = [-(-int(np.prod(shape, dtype=np.int64)) // per_word) for shape in SHAPES]  # padded up to whole words
+    assert [slot.words for slot in layout.slots] == words and layout.row_words == sum(words)
+    rng = np.random.default_rng(per_word)
+    batch = {f"s{i}": random_leaf(rng, 5, shape, dtype) for i, shape in enumerate(SHAPES)}
+    rows = jax.jit(layout.pack)(batch)  # separate kernels, as in the plane (ingest packs, sample unpacks)
+    out = jax.jit(layout.unpack)(rows)
+    assert rows.dtype == jnp.uint32 and rows.shape == (5, layout.row_words)
+    for name, leaf in batch.items():
+        assert_bits_equal(out[name], leaf)
+
+
+@pytest.mark.parametrize("elems", [2, 3, 5])
+@pytest.mark.parametrize("dtype", [np.float16, jnp.bfloat16, np.float32], ids=lambda d: np.dtype(d).name)
+def test_pack_unpack_keeps_nan_payloads(dtype, elems):
+    """Storage is bytes: a NaN's sign and payload (signalling NaNs included) come back as they went in."""
+    bits = np.array({2: [0x7C01, 0xFE5A, 0x7D00, 0xFC03, 0x7F81], 4: [0x7F800001, 0xFFC12345, 0x7FA00000,
+                                                                     0xFF800F00, 0x7FC00001]}[np.dtype(dtype).itemsize],
+                    {2: np.uint16, 4: np.uint32}[np.dtype(dtype).itemsize])
+    if np.dtype(dtype) == jnp.bfloat16:
+        bits = np.array([0x7F81, 0xFFA3, 0x7FF2, 0xFF81, 0x7FC1], np.uint16)
+    x = bits[:elems].view(dtype)[None]
+    assert np.isnan(x.astype(np.float32)).all()
+    layout = storage.RowLayout.of(ExperienceSpec.from_structs({"x": jax.ShapeDtypeStruct((elems,), dtype)}))
+    rows = jax.jit(layout.pack)({"x": x})  # the plane packs in its ingest kernel and unpacks in its sample kernel
+    assert_bits_equal(jax.jit(layout.unpack)(rows)["x"], x)
+    assert_bits_equal(layout.unpack(layout.pack({"x": x}))["x"], x)  # and op by op
+
+
+MIXED = {  # keys sorted = flatten order; (shape, dtype, words the leaf takes)
+    "a": ((3,), np.bool_, 1),
+    "b": ((5,), np.uint8, 2),
+    "c": ((), np.int8, 1),
+    "d": ((3,), np.uint16, 2),
+    "e": ((), np.int16, 1),
+    "f": ((2,), np.uint32, 2),
+    "g": ((), np.int32, 1),
+    "h": ((5,), np.float16, 3),
+    "i": ((3,), jnp.bfloat16, 2),
+    "j": ((2, 2), np.float32, 4),
+}
+
+
+def test_mixed_layout_offsets_and_round_trip():
+    spec = ExperienceSpec.from_structs({k: jax.ShapeDtypeStruct(s, d) for k, (s, d, _) in MIXED.items()})
+    layout = storage.RowLayout.of(spec)
+    words = [w for _, _, w in MIXED.values()]
+    assert [slot.words for slot in layout.slots] == words
+    assert [slot.offset for slot in layout.slots] == list(np.cumsum([0] + words[:-1]))
+    assert layout.row_words == sum(words) == 19 and layout.row_bytes == 76
+    assert storage.describe(layout)["item_bytes"] == spec.item_bytes
+    assert storage.storage_bytes(layout, 10) == 760
+
+    rng = np.random.default_rng(0)
+    batch = {k: random_leaf(rng, 7, s, d) for k, (s, d, _) in MIXED.items()}
+    rows = np.asarray(jax.jit(layout.pack)(batch))
+    out = jax.jit(layout.unpack)(rows)
+    for k in MIXED:
+        assert_bits_equal(out[k], batch[k])
+    # leading axes of any rank: rows [2, 6, words] unpack to leaves [2, 6, ...]
+    nested = jax.jit(layout.unpack)(np.concatenate([rows, rows[:5]]).reshape(2, 6, layout.row_words))
+    for k, (s, _, _) in MIXED.items():
+        assert nested[k].shape == (2, 6, *s)
+        assert_bits_equal(nested[k][0, 3], batch[k][3])
+        assert_bits_equal(nested[k][1, 5], batch[k][4])
+
+
+def test_pack_puts_each_leaf_in_its_own_words():
+    """Padding of a sub-word leaf is zeros and never spills into the next leaf's words."""
+    spec = ExperienceSpec.from_example({"a": np.zeros((3,), np.uint8), "b": np.uint8(0)})
+    layout = storage.RowLayout.of(spec)
+    rows = np.asarray(layout.pack({"a": np.array([[1, 2, 3]], np.uint8), "b": np.array([9], np.uint8)}))
+    np.testing.assert_array_equal(rows.view(np.uint8).reshape(1, 8), [[1, 2, 3, 0, 9, 0, 0, 0]])
+
+
+def test_zero_size_leaf():
+    spec = ExperienceSpec.from_example({"e": np.zeros((0,), np.float32), "g": np.int32(0)})
+    layout = storage.RowLayout.of(spec)
+    assert layout.row_words == 1
+    out = layout.unpack(layout.pack({"e": np.zeros((3, 0), np.float32), "g": np.arange(3, dtype=np.int32)}))
+    assert out["e"].shape == (3, 0) and out["e"].dtype == np.float32
+    np.testing.assert_array_equal(out["g"], [0, 1, 2])
+
+
+def test_init_works_under_eval_shape():
+    spec = ExperienceSpec.from_example({"obs": np.zeros((84, 84, 4), np.uint8), "r": 0.0})
+    layout = storage.RowLayout.of(spec)
+    abstract = jax.eval_shape(lambda: storage.init(layout, 1 << 20, 8))
+    assert abstract.rows.shape == (1 << 20, 84 * 84 + 1) and abstract.rows.dtype == np.uint32
+    assert abstract.cursor.shape == (8,) and abstract.laps.shape == (8,) and abstract.next_shard.shape == ()
+    assert all(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in jax.tree_util.tree_leaves(abstract))
+    # the whole plane state too, for every sampler, at a capacity nobody allocates (the config comes from a small plane)
+    small = ExperienceDataPlane({"x": jax.ShapeDtypeStruct((3,), jnp.uint8)}, 8, samplers.uniform(8),
+                                mesh=jax.make_mesh((1,), ("shard",)))
+    for sampler in (samplers.uniform(8), samplers.fifo(8), samplers.epochs(8)):
+        config = small.config._replace(layout=layout, sampler=sampler, capacity=1 << 20)
+        state = jax.eval_shape(lambda c=config: replay.init(c, 0))
+        assert state.storage.rows.shape == (1 << 20, layout.row_words)
+        assert all(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in jax.tree_util.tree_leaves(state))
+
+
+# -- pure per-shard kernels -----------------------------------------------------------------------------------------
+def _rows(capacity):
+    return jnp.arange(capacity, dtype=jnp.uint32)[:, None] * jnp.uint32(10)
+
+
+@pytest.mark.parametrize("cursor, count, k, expect_rows, expect_cursor, expect_laps", [
+    # no wrap, block fits at the cursor
+    (1, 3, 4, [0, 100, 101, 102, 40, 50, 60, 70], 4, 0),
+    # no wrap, but the k-row slice would not fit: it is shifted left, the rows before the cursor are kept
+    (5, 3, 4, [0, 10, 20, 30, 40, 100, 101, 102], 0, 1),
+    # wrap: 2 rows at the end, 1 at the start; padding row 3 of the block must not land on row 1
+    (6, 3, 4, [102, 10, 20, 30, 40, 50, 100, 101], 1, 1),
+    # a full ring from a non-zero cursor
+    (3, 8, 8, [105, 106, 107, 100, 101, 102, 103, 104], 3, 1),
+    # count 0 (a shard that got no item): nothing changes
+    (2, 0, 4, [0, 10, 20, 30, 40, 50, 60, 70], 2, 0),
+])
+def test_write_hand_computed(cursor, count, k, expect_rows, expect_cursor, expect_laps):
+    block = (jnp.arange(k, dtype=jnp.uint32) + 100)[:, None]
+    rows, new_cursor, new_laps = jax.jit(storage.write)(_rows(8), jnp.int32(cursor), jnp.int32(0), block,
+                                                        jnp.int32(count))
+    np.testing.assert_array_equal(np.asarray(rows)[:, 0], expect_rows)
+    assert int(new_cursor) == expect_cursor and int(new_laps) == expect_laps
+
+
+def test_deal_round_robin():
+    # 6 items padded to 8 rows, 4 shards, the next item goes to shard 2: item g -> shard (2 + g) % 4
+    batch = {"g": jnp.arange(8, dtype=jnp.int32)}
+    want = {2: ([0, 4], 2), 3: ([1, 5], 2), 0: ([2, 6], 1), 1: ([3, 7], 1)}  # (rows taken, valid count)
+    for shard, (rows, count) in want.items():
+        mine, got_count = storage.deal(batch, jnp.int32(2), jnp.int32(6), jnp.int32(shard), 4)
+        np.testing.assert_array_equal(mine["g"], rows)
+        assert int(got_count) == count
+
+
+def test_generation_and_count():
+    cursor, laps = jnp.int32(3), jnp.int32(2)
+    np.testing.assert_array_equal(storage.slot_generation(cursor, laps, jnp.arange(6)), [3, 3, 3, 2, 2, 2])
+    assert int(storage.shard_count(jnp.int32(3), jnp.int32(0), 6)) == 3
+    assert int(storage.shard_count(jnp.int32(3), jnp.int32(1), 6)) == 6
+
+
+@pytest.mark.parametrize("n, shards, shard_capacity, k", [
+    (1, 1, 8, 1), (5, 1, 8, 8), (6, 1, 8, 8), (9, 1, 16, 16), (9, 8, 2, 2), (8, 8, 4, 1), (17, 8, 8, 4),
+    (1000, 8, 16, 16), (3, 1, 6, 4), (5, 1, 6, 6),
+])
+def test_bucket_size(n, shards, shard_capacity, k):
+    assert storage.bucket_size(n, shards, shard_capacity) == k
+
+
+# -- rings through the plane: hand-computed positions ----------------------------------------------------------------
+SPEC = ExperienceSpec.from_example({"g": np.int32(0), "x": np.zeros((3,), np.uint8), "flag": np.zeros((), np.bool_)})
+
+
+def items(start, n):
+    g = np.arange(start, start + n, dtype=np.int32)
+    return {"g": g, "x": ((g[:, None] + np.arange(3)) % 256).astype(np.uint8), "flag": g % 3 == 0}
+
+
+def stored(plane):
+    """Every row of the buffer unpacked on the host: {'g': int32[capacity], ...}."""
+    rows = jax.device_get(plane.state.storage.rows)
+    return jax.tree_util.tree_map(np.asarray, plane.config.layout.unpack(jnp.asarray(rows)))
+
+
+def host(x):
+    return np.asarray(jax.device_get(x))
+
+
+def check_rows(plane, table):
+    """``table[row]`` is the item index stored there, or -1 for a never-written (all-zero) row."""
+    out = stored(plane)
+    table = np.asarray(table)
+    full = table >= 0
+    np.testing.assert_array_equal(out["g"][full], table[full])
+    want = items(0, int(table.max()) + 1)
+    for name in ("x", "flag"):
+        np.testing.assert_array_equal(out[name][full], want[name][table[full]])
+    raw = host(plane.state.storage.rows)
+    assert not raw[~full].any(), "a row that no item was dealt to was written (padding leaked)"
+
+
+def check_ids(plane, table, generations, draws=64):
+    """Uniform draws: each delivered id is (row, live generation) and its data is the item stored at that row."""
+    for _ in range(2):
+        delivery = plane.sample()
+        ids, g = host(delivery.ids), host(delivery.data["g"])
+        assert ids.shape == (plane.batch_size, 2)
+        np.testing.assert_array_equal(g, np.asarray(table)[ids[:, 0]])
+        np.testing.assert_array_equal(ids[:, 1], np.asarray(generations)[ids[:, 0]])
+
+
+def test_ring_wraparound_one_device():
+    plane = ExperienceDataPlane(SPEC, 8, samplers.uniform(64), mesh=jax.make_mesh((1,), ("shard",)))
+    plane.ingest(items(0, 5))
+    check_rows(plane, [0, 1, 2, 3, 4, -1, -1, -1])
+    assert host(plane.state.storage.cursor).tolist() == [5] and host(plane.state.storage.laps).tolist() == [0]
+    plane.ingest(items(5, 6))  # items 5, 6, 7 fill the ring; 8, 9, 10 overwrite slots 0, 1, 2
+    table = [8, 9, 10, 3, 4, 5, 6, 7]
+    check_rows(plane, table)
+    assert host(plane.state.storage.cursor).tolist() == [3] and host(plane.state.storage.laps).tolist() == [1]
+    assert int(host(plane.state.storage.next_shard)) == 0
+    check_ids(plane, table, [2, 2, 2, 1, 1, 1, 1, 1])
+    assert len(plane) == 8
+
+
+def test_ring_wraparound_eight_shards():
+    # capacity 16 over 8 shards: 2 slots each. Item g -> shard g % 8, slot (g // 8) % 2, row 2 * shard + slot.
+    plane = ExperienceDataPlane(SPEC, 16, samplers.uniform(64), mesh=jax.make_mesh((8,), ("shard",)))
+    plane.ingest(items(0, 5))  # shards 0..4 slot 0
+    check_rows(plane, [0, -1, 1, -1, 2, -1, 3, -1, 4, -1, -1, -1, -1, -1, -1, -1])
+    assert host(plane.state.storage.cursor).tolist() == [1, 1, 1, 1, 1, 0, 0, 0]
+    assert int(host(plane.state.storage.next_shard)) == 5
+    plane.ingest(items(5, 6))  # 5, 6, 7 -> slot 0 of shards 5..7; 8, 9, 10 -> slot 1 of shards 0..2
+    check_rows(plane, [0, 8, 1, 9, 2, 10, 3, -1, 4, -1, 5, -1, 6, -1, 7, -1])
+    assert host(plane.state.storage.cursor).tolist() == [0, 0, 0, 1, 1, 1, 1, 1]
+    assert host(plane.state.storage.laps).tolist() == [1, 1, 1, 0, 0, 0, 0, 0]
+    assert int(host(plane.state.storage.next_shard)) == 3
+    plane.ingest(items(11, 9))  # 11..15 -> slot 1 of shards 3..7; 16..19 overwrite slot 0 of shards 0..3
+    table = [16, 8, 17, 9, 18, 10, 19, 11, 4, 12, 5, 13, 6, 14, 7, 15]
+    check_rows(plane, table)
+    assert host(plane.state.storage.cursor).tolist() == [1, 1, 1, 1, 0, 0, 0, 0]
+    assert host(plane.state.storage.laps).tolist() == [1, 1, 1, 1, 1, 1, 1, 1]
+    assert int(host(plane.state.storage.next_shard)) == 4
+    check_ids(plane, table, [2, 1, 2, 1, 2, 1, 2, 1, 1, 1, 1, 1, 1, 1, 1, 1])
+    assert len(plane) == 16
+
+
+def reference(total, shards, capacity):
+    """Round robin: the g-th item goes to shard g % S, slot (g // S) % (capacity / S); the latest item wins."""
+    shard_capacity = capacity // shards
+    table = np.full(capacity, -1)
+    generation = np.zeros(capacity, np.int64)
+    for g in range(total):
+        shard, lap_slot = g % shards, g // shards
+        row = shard * shard_capacity + lap_slot % shard_capacity
+        table[row], generation[row] = g, lap_slot // shard_capacity + 1
+    counts = np.array([len(range(s, total, shards)) for s in range(shards)])
+    return table, generation, counts % shard_capacity, counts // shard_capacity
+
+
+@pytest.mark.parametrize("sizes", [
+    [1, 2, 3, 4, 5, 6],  # 21 items into 16: sizes crossing buckets, one wrap
+    [7, 37, 1],  # larger than the capacity: only the newest survive, dealt as if ingested one by one
+    [3, 50, 9, 17],
+], ids=lambda s: "-".join(map(str, s)))
+def test_round_robin_matches_reference(any_mesh, sizes):
+    capacity = 16
+    plane = ExperienceDataPlane(SPEC, capacity, samplers.uniform(64), mesh=any_mesh)
+    shards = plane.num_shards
+    total = 0
+    for n in sizes:
+        plane.ingest(items(total, n))
+        total += n
+        table, generation, cursor, laps = reference(total, shards, capacity)
+        check_rows(plane, table)
+        assert host(plane.state.storage.cursor).tolist() == cursor.tolist()
+        assert host(plane.state.storage.laps).tolist() == laps.tolist()
+        assert int(host(plane.state.storage.next_shard)) == total % shards
+        generations = storage.slot_generation(host(plane.state.storage.cursor)[:, None],
+                                              host(plane.state.storage.laps)[:, None],
+                                              np.arange(capacity // shards)[None, :])
+        written = table >= 0
+        np.testing.assert_array_equal(np.asarray(generations).reshape(-1)[written], generation[written])
+    # every stored item sits in exactly one shard: the newest min(total, capacity) items, each once
+    g = stored(plane)["g"]
+    assert sorted(g[table >= 0].tolist()) == list(range(max(0, total - capacity), total))
+    check_ids(plane, table, generation)
+
+
+def test_every_item_lands_in_exactly_one_shard(mesh):
+    """Odd-sized batches that exactly fill the buffer: each shard holds exactly its items g with g % S == shard."""
+    capacity = 64
+    plane = ExperienceDataPlane(SPEC, capacity, samplers.uniform(64), mesh=mesh)
+    total = 0
+    for n in (1, 5, 11, 3, 13, 31):
+        plane.ingest(items(total, n))
+        total += n
+    assert total == capacity
+    g = stored(plane)["g"].reshape(plane.num_shards, -1)
+    assert sorted(g.reshape(-1).tolist()) == list(range(capacity))
+    for shard, mine in enumerate(g):
+        assert (mine % plane.num_shards == shard).all()
+        np.testing.assert_array_equal(mine, np.arange(shard, capacity, plane.num_shards))
