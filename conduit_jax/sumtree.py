@@ -38,18 +38,17 @@ def total(levels) -> jax.Array:
 
 
 def pick(block, target):
-    """Index of the child of ``block`` [..., K] (non-negative masses) whose cumulative range holds ``target``, and the
-    remainder of the target inside that child. Never returns a zero-mass child while the block has positive mass."""
-    k = block.shape[-1]
-    target = jnp.maximum(target, 0.0)
+    """Index of the child of ``block`` [..., K] (non-negative masses) whose cumulative range holds ``target``, the
+    remainder of the target inside that child, and the child's mass. Never returns a zero-mass child while the block
+    has positive mass: the target is clamped into [0, total) first (float32 rounding can overshoot the total, or go
+    negative), and inside that range the first child whose cumulative sum exceeds the target has positive mass."""
     cum = jnp.cumsum(block, axis=-1)
+    total = cum[..., -1]
+    target = jnp.clip(target, 0.0, jnp.nextafter(total, jnp.zeros_like(total)))
     child = jnp.sum((cum <= target[..., None]).astype(jnp.int32), axis=-1)
-    positive = block > 0
-    last_positive = k - 1 - jnp.argmax(positive[..., ::-1], axis=-1).astype(jnp.int32)
-    chosen = jnp.take_along_axis(block, jnp.clip(child, 0, k - 1)[..., None], axis=-1)[..., 0]
-    child = jnp.where((child >= k) | (chosen <= 0), last_positive, child)
-    before = jnp.take_along_axis(cum - block, child[..., None], axis=-1)[..., 0]
+    child = jnp.minimum(child, block.shape[-1] - 1)  # only reachable when the whole block is empty
     mass = jnp.take_along_axis(block, child[..., None], axis=-1)[..., 0]
+    before = jnp.take_along_axis(cum, child[..., None], axis=-1)[..., 0] - mass
     return child, jnp.clip(target - before, 0.0, mass), mass
 
 
