@@ -90,7 +90,7 @@ class RowLayout(NamedTuple):
         """NumPy twin of ``pack`` for host batches: items [start, start+count) of each leaf into a fresh
         uint32[rows, row_words] (rows past ``count`` are padding the kernel masks). One array crosses to the device
         instead of one per leaf, and the caller's buffers are never aliased."""
-        out = np.empty((rows, self.row_words), np.uint32)
+        out = _aligned_empty((rows, self.row_words))
         for leaf, slot, dtype in zip(leaves, self.slots, self.spec.dtypes):
             if slot.elems == 0:
                 continue
@@ -131,6 +131,15 @@ class RowLayout(NamedTuple):
                 x = x[..., :slot.elems]
         x = x.reshape(*lead, *shape)
         return x.astype(jnp.bool_) if dtype == np.bool_ else x
+
+
+def _aligned_empty(shape) -> np.ndarray:
+    """An uninitialised uint32 array whose data starts on a 64-byte boundary: JAX's CPU client then uses the NumPy
+    memory in place instead of copying it (the array is fresh and never written again, so aliasing is safe)."""
+    size = int(np.prod(shape))
+    raw = np.empty(size + 16, np.uint32)
+    offset = (-raw.ctypes.data % 64) // 4
+    return raw[offset:offset + size].reshape(shape)
 
 
 # ------------------------------------------------------------------------------------------------------------------
