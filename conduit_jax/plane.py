@@ -14,7 +14,6 @@ import time
 from typing import Any, Optional
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
@@ -77,7 +76,7 @@ class ExperienceDataPlane:
         self._shardings = replay.shardings(config)
         self.state: ReplayState = jax.jit(functools.partial(replay.init, config, seed),
                                           out_shardings=self._shardings)()
-        self._ingest_kernels: dict[int, Any] = {}
+        self._ingest_kernels: dict[tuple[int, bool], Any] = {}  # (rows, host-packed) -> kernel
         self._sample_kernel = _reading_storage(functools.partial(replay.sample, config))
         self._version_kernel = _reading_storage(lambda state, version: (
             replay.set_policy_version(config, state, version),))
@@ -85,6 +84,7 @@ class ExperienceDataPlane:
         self._update_kernel = _reading_storage(lambda state, ids, priorities, valid: (
             _replace(state, sampler=replay.update(config, state, ids, priorities, valid)),))
         self._known_size = 0  # a lower bound of the stored item count: it never decreases
+        self._compiles: collections.Counter = collections.Counter()  # kernel name -> XLA compilations
         self.timeline = metrics.Timeline()  # wall-clock spans per stage (see metrics.py)
         self._changed = threading.Condition()  # guards state; notified after every ingest and sample
         self.schedule = schedule_lib.sync() if schedule is None else schedule
@@ -149,7 +149,8 @@ class ExperienceDataPlane:
                     # the caller's buffers are never aliased, and no op runs on the unpadded shape (which would
                     # compile once per batch size)
                     block, packed = self.config.layout.pack_host(leaves, start, m, rows), True
-                self.state = self._ingest_kernel(rows, packed)(self.state, block, np.int32(m))
+                with self._counting_compiles(f"ingest[{rows}{',packed' if packed else ''}]"):
+                    self.state = self._ingest_kernel(rows, packed)(self.state, block, np.int32(m))
             self.timeline.record("ingest", start_time, time.perf_counter())
             self._changed.notify_all()
 
@@ -195,7 +196,8 @@ class ExperienceDataPlane:
             self._wait_until(self._sample_refusal, timeout)
             start_time = time.perf_counter()
             state = self.state
-            rest, delivery = self._sample_kernel(state.storage, _replace(state, storage=None))
+            with self._counting_compiles("sample"):
+                rest, delivery = self._sample_kernel(state.storage, _replace(state, storage=None))
             self.state = _replace(rest, storage=state.storage)
             self.timeline.record("sample", start_time, time.perf_counter())
             self._changed.notify_all()
@@ -330,7 +332,8 @@ class ExperienceDataPlane:
         start_time = time.perf_counter()
         with self._changed:
             state = self.state
-            (rest,) = self._update_kernel(state.storage, _replace(state, storage=None), ids_pad, prio_pad, valid)
+            with self._counting_compiles("update"):
+                (rest,) = self._update_kernel(state.storage, _replace(state, storage=None), ids_pad, prio_pad, valid)
             self.state = _replace(rest, storage=state.storage)
             self.timeline.record("update", start_time, time.perf_counter())
 
@@ -346,21 +349,23 @@ class ExperienceDataPlane:
                 raise ConfigError(f"set_policy_version(): versions only move forward; the plane is at {current}, "
                                   f"got {version}")
             state = self.state
-            (rest,) = self._version_kernel(state.storage, _replace(state, storage=None), np.int32(version))
+            with self._counting_compiles("version"):
+                (rest,) = self._version_kernel(state.storage, _replace(state, storage=None), np.int32(version))
             self.state = _replace(rest, storage=state.storage)
             self._changed.notify_all()
 
     # -- status -------------------------------------------------------------------------------------------------
     def _status(self) -> dict[str, int]:
-        return {k: int(v) for k, v in jax.device_get(self._status_kernel(self.state)).items()}
+        with self._counting_compiles("status"):
+            status = self._status_kernel(self.state)
+        return {k: int(v) for k, v in jax.device_get(status).items()}
 
     def compile_counts(self) -> dict[str, int]:
-        """How many programs each kernel has compiled; steady state never adds one (no recompilation)."""
-        counts = {f"ingest[{rows}{',packed' if packed else ''}]": kernel._cache_size()
-                  for (rows, packed), kernel in sorted(self._ingest_kernels.items())}
-        for name in ("sample", "update", "status", "version"):
-            counts[name] = getattr(self, f"_{name}_kernel")._cache_size()
-        return counts
+        """XLA compilations per kernel so far (counted from JAX's compile events); steady state adds none."""
+        return dict(sorted(self._compiles.items()))
+
+    def _counting_compiles(self, kernel: str):
+        return _CompileScope(self._compiles, kernel)
 
     def stats(self) -> dict[str, Any]:
         """Counters of the plane, read from the state, plus the shell's wall-clock timings per call."""
@@ -389,6 +394,34 @@ class ExperienceDataPlane:
         out["prefetch_depth"] = self._depth
         out["stages"] = self.timeline.summary()
         return out
+
+
+_compile_scope = threading.local()  # the kernel whose call is running on this thread, if any
+
+
+def _count_compile(event: str, duration: float, **kwargs) -> None:
+    counter = getattr(_compile_scope, "counter", None)
+    if event == "/jax/core/compile/backend_compile_duration" and counter is not None:
+        counter[_compile_scope.kernel] += 1
+
+
+jax.monitoring.register_event_duration_secs_listener(_count_compile)
+
+
+class _CompileScope:
+    """While a kernel is called, attribute the XLA compilations JAX reports on this thread to it."""
+
+    def __init__(self, counter: collections.Counter, kernel: str):
+        self.counter, self.kernel = counter, kernel
+
+    def __enter__(self):
+        self.saved = getattr(_compile_scope, "counter", None), getattr(_compile_scope, "kernel", None)
+        _compile_scope.counter, _compile_scope.kernel = self.counter, self.kernel
+        self.counter.setdefault(self.kernel, 0)
+
+    def __exit__(self, *exc):
+        _compile_scope.counter, _compile_scope.kernel = self.saved
+        return False
 
 
 def _reading_storage(step):

@@ -1,0 +1,244 @@
+"""Reliability: random bad input at every public entry point changes nothing; sustained concurrent load loses nothing.
+
+Property tests (hypothesis) generate malformed batches, priority updates and constructor arguments; each must raise a
+``ConduitError`` naming the argument and leave the state bit-identical. The soak runs producer threads and a consumer
+that samples and updates priorities, then checks the books: every item ingested is stored or overwritten by design,
+no call raised, memory stays flat after warm-up, and nothing recompiled.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import threading
+import time
+
+import jax
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import conduit_jax as cj
+from conduit_jax import limits, samplers
+
+SPEC = cj.ExperienceSpec.from_example({
+    "obs": np.zeros((3,), np.float32), "act": np.int32(0), "done": np.bool_(False),
+    "img": np.zeros((2, 2), np.uint8)})
+
+
+def good_batch(n: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    return {"obs": rng.standard_normal((n, 3)).astype(np.float32), "act": rng.integers(0, 5, n).astype(np.int32),
+            "done": rng.random(n) < 0.2, "img": rng.integers(0, 255, (n, 2, 2)).astype(np.uint8)}
+
+
+def snapshot(plane):
+    return [np.asarray(x).copy() for x in jax.tree_util.tree_leaves(jax.device_get(plane.state))]
+
+
+def assert_unchanged(plane, before):
+    after = snapshot(plane)
+    assert len(after) == len(before)
+    for a, b in zip(after, before):
+        assert a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+
+
+@pytest.fixture(scope="module")
+def per_plane():
+    plane = cj.ExperienceDataPlane(SPEC, 64, samplers.prioritized(8), mesh=cj.default_mesh(8))
+    plane.ingest(good_batch(40))
+    plane.sample()
+    return plane
+
+
+# -- malformed batches ------------------------------------------------------------------------------------------------
+LEAF_NAMES = ("obs", "act", "done", "img")
+BAD_DTYPES = (np.float64, np.int64, np.int16, np.float16, np.uint32, np.complex64)
+
+
+@st.composite
+def bad_batches(draw):
+    n = draw(st.integers(1, 12))
+    batch = good_batch(n, draw(st.integers(0, 1000)))
+    kind = draw(st.sampled_from(["dtype", "shape", "missing", "extra", "count", "scalar", "empty"]))
+    name = draw(st.sampled_from(LEAF_NAMES))
+    if kind == "dtype":
+        dtype = draw(st.sampled_from([d for d in BAD_DTYPES if np.dtype(d) != batch[name].dtype]))
+        batch[name] = batch[name].astype(dtype)
+    elif kind == "shape":
+        extra = draw(st.sampled_from([(2,), (1,), ()]))
+        shape = (n, *extra) if batch[name].ndim > 1 else (n, 2)
+        if shape == batch[name].shape:
+            shape = (n, 7)
+        batch[name] = np.zeros(shape, batch[name].dtype)
+    elif kind == "missing":
+        del batch[name]
+    elif kind == "extra":
+        batch["bogus"] = np.zeros((n,), np.float32)
+    elif kind == "count":
+        batch[name] = np.concatenate([batch[name], batch[name][:1]])
+    elif kind == "scalar":
+        batch[name] = 1.0
+    else:
+        batch = {k: v[:0] for k, v in batch.items()}
+    return kind, name, batch
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(bad=bad_batches())
+def test_malformed_batches_are_rejected_and_change_nothing(per_plane, bad):
+    kind, name, batch = bad
+    before = snapshot(per_plane)
+    with pytest.raises(cj.SpecError) as info:
+        per_plane.ingest(batch)
+    message = str(info.value)
+    assert message.startswith("ingest():")
+    if kind in ("dtype", "shape", "missing"):
+        assert f"'{name}'" in message
+    elif kind == "extra":
+        assert "bogus" in message
+    assert_unchanged(per_plane, before)
+
+
+# -- malformed priority updates ---------------------------------------------------------------------------------------
+@st.composite
+def bad_updates(draw):
+    m = draw(st.integers(1, 10))
+    ids = np.stack([np.arange(m) % 64, np.ones(m, np.int64)], axis=1).astype(np.int32)
+    priorities = np.ones(m, np.float32)
+    kind = draw(st.sampled_from(["nan", "inf", "negative", "row", "generation", "ids_shape", "prio_shape", "float_ids"]))
+    i = draw(st.integers(0, m - 1))
+    if kind == "nan":
+        priorities[i] = np.nan
+    elif kind == "inf":
+        priorities[i] = draw(st.sampled_from([np.inf, -np.inf]))
+    elif kind == "negative":
+        priorities[i] = -draw(st.floats(1e-30, 1e30))
+    elif kind == "row":
+        ids[i, 0] = draw(st.sampled_from([-1, 64, 2**31 - 1]))
+    elif kind == "generation":
+        ids[i, 1] = draw(st.integers(-5, 0))
+    elif kind == "ids_shape":
+        ids = ids[:, :1]
+    elif kind == "prio_shape":
+        priorities = np.ones(m + 1, np.float32)
+    else:
+        ids = ids.astype(np.float32)
+    return ids, priorities
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(update=bad_updates())
+def test_malformed_priority_updates_are_rejected_and_change_nothing(per_plane, update):
+    ids, priorities = update
+    before = snapshot(per_plane)
+    with pytest.raises(cj.PriorityError) as info:
+        per_plane.update_priorities(ids, priorities)
+    assert str(info.value).startswith("update_priorities():")
+    assert_unchanged(per_plane, before)
+
+
+def test_ids_from_a_different_plane_are_ignored_not_misapplied():
+    """Ids are (row, generation); a row's generation from another plane that is ahead of this one is stale here."""
+    a = cj.ExperienceDataPlane(SPEC, 16, samplers.prioritized(4), mesh=cj.default_mesh(1))
+    b = cj.ExperienceDataPlane(SPEC, 16, samplers.prioritized(4), mesh=cj.default_mesh(1))
+    for _ in range(3):
+        a.ingest(good_batch(16))
+    b.ingest(good_batch(16))
+    foreign = np.asarray(a.sample().ids)  # generation 3 ids
+    before = np.asarray(b.state.sampler.levels[-1]).copy()
+    b.update_priorities(foreign, np.full(len(foreign), 50.0, np.float32))
+    assert np.array_equal(np.asarray(b.state.sampler.levels[-1]), before)
+    assert b.stats()["priority_updates_ignored"] == len(foreign)
+
+
+# -- impossible configurations --------------------------------------------------------------------------------------
+@settings(max_examples=40, deadline=None)
+@given(capacity=st.integers(-3, 70), batch=st.integers(-2, 40), shards=st.sampled_from([1, 8]),
+       kind=st.sampled_from(["uniform", "fifo", "epochs", "prioritized"]))
+def test_constructor_accepts_exactly_the_workable_combinations(capacity, batch, shards, kind):
+    workable = capacity >= 1 and batch >= 1 and capacity % shards == 0 and batch % shards == 0 and \
+        (kind in ("uniform", "prioritized") or batch <= capacity)
+    try:
+        sampler = getattr(samplers, kind)(batch)
+        cj.ExperienceDataPlane(SPEC, capacity, sampler, mesh=cj.default_mesh(shards))
+    except cj.ConfigError as error:
+        assert not workable, f"rejected a workable combination: {error}"
+        assert any(word in str(error) for word in ("capacity", "batch_size", "items per batch"))
+    else:
+        assert workable
+
+
+def test_rate_limiter_that_could_deadlock_is_refused():
+    with pytest.raises(cj.ConfigError, match="deadlock"):
+        cj.ExperienceDataPlane(SPEC, 64, samplers.uniform(8), mesh=cj.default_mesh(1),
+                               limiter=limits.sample_to_insert_ratio(4.0, min_size=8, error_buffer=2))
+
+
+# -- sustained load -------------------------------------------------------------------------------------------------
+def rss_bytes() -> int:
+    with open(f"/proc/{os.getpid()}/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
+
+
+def soak(seconds: float, producers: int = 3):
+    plane = cj.ExperienceDataPlane(SPEC, 4096, samplers.prioritized(64), mesh=cj.default_mesh(1))
+    plane.ingest(good_batch(256))  # compile the common buckets before the clock starts
+    plane.ingest(good_batch(32))
+    delivery = plane.sample()
+    plane.update_priorities(delivery.ids, np.ones(64, np.float32))
+    compiled_before = plane.compile_counts()
+    ingested = [0] * producers
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def produce(k):
+        rng = np.random.default_rng(k)
+        try:
+            while not stop.is_set():
+                n = int(rng.choice([17, 32]))
+                plane.ingest(good_batch(n, int(rng.integers(1 << 30))))
+                ingested[k] += n
+        except BaseException as error:  # noqa: BLE001 - reported below
+            errors.append(error)
+
+    samples = 0
+    threads = [threading.Thread(target=produce, args=(k,)) for k in range(producers)]
+    for thread in threads:
+        thread.start()
+    rss_after_warmup = None
+    start = time.monotonic()
+    try:
+        while time.monotonic() - start < seconds:
+            delivery = plane.sample()
+            plane.update_priorities(delivery.ids, np.abs(np.asarray(delivery.data["obs"])[:, 0]) + 0.1)
+            samples += 1
+            if rss_after_warmup is None and time.monotonic() - start > seconds / 3:
+                rss_after_warmup = rss_bytes()
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join()
+    return plane, 288 + sum(ingested), samples, errors, rss_after_warmup, rss_bytes(), compiled_before
+
+
+@pytest.mark.parametrize("seconds", [6.0])
+def test_soak_counts_add_up_memory_is_flat_and_nothing_recompiles(seconds):
+    plane, ingested, samples, errors, rss_mid, rss_end, compiled_before = soak(seconds)
+    assert errors == []
+    stats = plane.stats()
+    assert stats["items_inserted"] == ingested
+    assert stats["size"] + stats["items_overwritten"] == ingested
+    assert stats["size"] == min(ingested, plane.capacity)
+    assert stats["stages"]["sample"]["calls"] == samples + 1 and samples > 10
+    assert plane.compile_counts() == compiled_before
+    assert rss_end - rss_mid < 64 * 2**20, f"RSS grew by {(rss_end - rss_mid) / 2**20:.1f} MiB after warm-up"
+
+
+@pytest.mark.slow
+def test_soak_long():
+    plane, ingested, samples, errors, rss_mid, rss_end, compiled_before = soak(120.0, producers=4)
+    assert errors == [] and plane.stats()["items_inserted"] == ingested
+    assert plane.compile_counts() == compiled_before
+    assert rss_end - rss_mid < 64 * 2**20
