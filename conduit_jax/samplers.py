@@ -412,7 +412,8 @@ def prioritized(batch_size: int, alpha: float = 0.6, beta=0.4, eps: float = 1e-6
 
     def on_insert(state: PriorityState, view: InsertView):
         value = _mass(state.max_priority, alpha, eps)
-        levels = sumtree.set_leaves(state.levels, view.slots, jnp.full(view.slots.shape, value), view.valid)
+        levels = sumtree.set_run(state.levels, view.slots[0], jnp.full(view.slots.shape, value), view.valid,
+                                 view.shard_capacity)
         return _replace_state(state, levels=levels)
 
     return _priority_sampler("prioritized", batch_size, alpha, beta, eps, on_insert, max_times_sampled)._replace(
@@ -453,7 +454,8 @@ def sequences(batch_size: int, length: int, streams: int, *, burn_in: int = 0, p
         stride = streams // view.num_shards
         k = view.slots.shape[0]
         # the new rows void whatever window started at their slots (those items are gone)
-        levels = sumtree.set_leaves(state.levels, view.slots, jnp.zeros((k,), jnp.float32), view.valid)
+        levels = sumtree.set_run(state.levels, view.slots[0], jnp.zeros((k,), jnp.float32), view.valid,
+                                 view.shard_capacity)
         # each new row completes the window that starts window-1 steps earlier in its stream
         back = lax.iota(jnp.int32, window)[::-1] * stride  # window-1, ..., 1, 0 steps back
         members = (view.slots[:, None] - back[None, :]) % view.shard_capacity  # [k, window] slots, oldest first
@@ -474,7 +476,10 @@ def sequences(batch_size: int, length: int, streams: int, *, burn_in: int = 0, p
                 - (window - 1) * stride
             eligible &= ((start_position % modulus) // stride) % period == 0
         value = _mass(state.max_priority, exponent, eps) if weighted else jnp.float32(1.0)
-        levels = sumtree.set_leaves(levels, members[:, 0], jnp.full((k,), value), eligible)
+        # the window starts are a run too (each new row's slot, window-1 steps back); a start that is not eligible
+        # keeps mass 0: it was zeroed when its own row was written and no window has completed there since
+        levels = sumtree.set_run(levels, members[0, 0], jnp.where(eligible, value, 0.0), view.valid,
+                                 view.shard_capacity)
         return _replace_state(state, levels=levels)
 
     def mask(data):

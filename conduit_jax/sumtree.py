@@ -86,3 +86,45 @@ def set_leaves(levels, slots, values, valid, arity: int = ARITY):
 
 def leaf_values(levels, slots):
     return levels[-1].at[slots].get(mode="promise_in_bounds")
+
+
+def set_run(levels, first, values, valid, num_slots: int, arity: int = ARITY):
+    """``set_leaves`` for a run of consecutive slots: slot ``(first + i) % num_slots`` gets ``values[i]`` where
+    ``valid[i]``. An ingest writes such a run; refreshing ancestors by contiguous slices reads each affected node's
+    K children once, instead of once per changed leaf as the general path does (16x less at the lowest level).
+
+    A run that wraps touches two windows of slots (one from ``first``, one from slot 0); both apply the same
+    slot-by-slot rule, so where they overlap the second rewrites what the first wrote. Each level is written for
+    both windows before the level above reads it."""
+    levels = list(levels)
+    k, leaves = values.shape[0], levels[-1]
+    window = min(k, leaves.shape[0])
+    # the second window starts at 0, written as min(first, 0) (first >= 0): an update at an offset XLA can see is a
+    # constant gets rewritten into an op over the whole level, ~8x slower here
+    starts = [jnp.clip(first, 0, leaves.shape[0] - window)] + ([jnp.minimum(first, 0)] if k > 1 else [])
+    for start in starts:
+        slot = start + lax.iota(jnp.int32, window)
+        entry = (slot - first) % num_slots  # the entry of the run that lands on this slot, if < k
+        source = jnp.clip(entry, 0, k - 1)
+        chosen = (entry < k) & valid[source] & (slot < num_slots)
+        # read each window from the level as updated so far: holding the pre-update level for a later read made
+        # XLA copy the whole level on every call
+        old = lax.dynamic_slice_in_dim(leaves, start, window)
+        leaves = lax.dynamic_update_slice_in_dim(leaves, jnp.where(chosen, values[source].astype(jnp.float32), old),
+                                                 start, 0)
+    levels[-1] = leaves
+    ranges = [(start, window) for start in starts]  # changed nodes of the level below: [low, low + span)
+    for index in range(len(levels) - 2, -1, -1):
+        width, below = levels[index].shape[0], levels[index + 1]
+        updates = []
+        for low, span in ranges:
+            count = min(width, span // arity + 2)
+            node = jnp.clip(low // arity, 0, width - count)
+            children = lax.dynamic_slice_in_dim(below, node * arity, count * arity)
+            updates.append((node, count, children.reshape(count, arity).sum(axis=1)))
+        level = levels[index]
+        for node, _, sums in updates:
+            level = lax.dynamic_update_slice_in_dim(level, sums, node, 0)
+        levels[index] = level
+        ranges = [(node, count) for node, count, _ in updates]
+    return tuple(levels)

@@ -2,6 +2,8 @@
 targets included), every internal node the float32 sum of its current children, and a float32 soak of 10^6 updates
 spanning 40 orders of magnitude after which no draw lands on an empty or zero-priority slot."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -240,3 +242,24 @@ def test_float32_soak_million_updates_never_draws_empty_or_zero_slots():
 @pytest.mark.slow
 def test_float32_soak_ten_million_updates():
     _soak_and_check(steps=10_000, seed=1)
+
+
+@pytest.mark.parametrize("num_slots,k", [(1000, 64), (100, 64), (37, 16), (16, 16), (5000, 1)])
+def test_set_run_equals_set_leaves_on_consecutive_slots(num_slots, k):
+    """The contiguous-run fast path gives the same tree as the general path, wrapping runs included."""
+    rng = np.random.default_rng(num_slots + k)
+    levels = sumtree.init(num_slots)
+    levels = sumtree.set_leaves(levels, jnp.arange(num_slots), jnp.asarray(rng.random(num_slots), jnp.float32),
+                                jnp.ones(num_slots, bool))
+    run = jax.jit(functools.partial(sumtree.set_run, num_slots=num_slots))
+    general = jax.jit(sumtree.set_leaves)
+    for first in [0, num_slots - 1, num_slots - max(k // 2, 1), int(rng.integers(num_slots))]:
+        values = jnp.asarray(rng.random(k) * (rng.random(k) > 0.3), jnp.float32)
+        valid = jnp.asarray(rng.random(k) > 0.2)
+        slots = (first + jnp.arange(k)) % num_slots
+        fast = run(levels, jnp.int32(first), values, valid)
+        slow = general(levels, slots, values, valid)
+        np.testing.assert_array_equal(np.asarray(fast[-1]), np.asarray(slow[-1]))
+        for a, b in zip(fast[:-1], slow[:-1]):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-6)
+        levels = fast
