@@ -41,6 +41,13 @@ PARTS = ("storage", "index", "control")
 TREE_ARITY = 16  # sumtree.ARITY
 ID_BYTES = 12  # a delivered row travels with its (row, generation) id and, for prioritized draws, a probability
 CONTROL_BYTES = 64  # cursors, laps and the replicated scalars of one shard (nominal)
+# Kernels per sum-tree level (pick / take_along_axis / gather of the next block; for updates: gather the K children,
+# sum, scatter). Calibrated on this host: a prioritized sample over 1M items took ~140 us against ~44 us for uniform
+# (6 levels: ~16 us per level with 256 cached block reads), an update of 256 ids ~120 us.
+SAMPLE_KERNELS_PER_LEVEL = 5
+UPDATE_KERNELS_PER_LEVEL = 4
+UPDATE_ARRAYS = 3  # ids, priorities, valid: three host -> device puts per update
+INGEST_KERNELS = 6  # per shard: deal, pack/select, dynamic-update-slice, slots, sampler and limiter bookkeeping
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,7 +61,9 @@ class Workload:
     optimizer and activations; host_reserve: bytes each node's DRAM keeps free. sampler: one of SAMPLERS; window:
     steps per delivered sequence; times_sampled: the sampler keeps a per-item delivery count (max_times_sampled).
     producer_nodes: nodes whose actors ingest (empty: the learners' nodes); prefetch: delivered batches staged on
-    the learner devices.
+    the learner devices. local_draws: let the planner consider shard-local draws for uniform sampling (each shard
+    draws B/S of its own items: the same distribution up to one item per shard, since round-robin dealing keeps shard
+    counts equal; ``replay.sample`` draws globally today, so this needs a sampler that does it).
     """
 
     batch_size: int = 256
@@ -69,6 +78,7 @@ class Workload:
     times_sampled: bool = False
     producer_nodes: tuple[int, ...] = ()
     prefetch: int = 2
+    local_draws: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "learner_devices", tuple(int(d) for d in self.learner_devices))
@@ -181,6 +191,11 @@ def tree_depth(num_leaves: int, arity: int = TREE_ARITY) -> int:
     return depth
 
 
+def tree_levels(shard_capacity: int) -> tuple[int, ...]:
+    """Bytes of each level of one shard's sum tree, root first (sumtree.init)."""
+    return tuple(4 * TREE_ARITY ** level for level in range(tree_depth(shard_capacity) + 1))
+
+
 def part_bytes(row_bytes: int, capacity: int, shards: int, workload: Workload) -> dict[str, int]:
     """Bytes each shard keeps of each part: the ring rows, the sampler's index, the small counters."""
     shard_capacity = capacity // shards
@@ -268,6 +283,21 @@ def estimate(topology: Topology, workload: Workload, placement: Placement, row_b
         """The link a kernel on the shard's device reads memory of ``kind`` over."""
         return topology.link(memory(kind), dev0)
 
+    def collective(steps: int, nbytes: float, link_name: str = "peer", concurrent: int = 1) -> float:
+        """One collective: a fixed cost, a link latency per algorithm step, the bytes each device sends."""
+        link = topology.link_class(link_name if nodes > 1 or link_name != "network" else "peer")
+        return t.collective + steps * link.latency + (nbytes / link.effective_bandwidth(concurrent) if nbytes
+                                                      else 0.0)
+
+    def descent(count: int, level_bytes, kernels_per_level: int) -> float:
+        """``count`` walks of the sum tree: per level some kernels and one random [16]-block read per walk; a level
+        small enough to stay in the last-level cache (next to the ring's traffic) reads at cache latency."""
+        total = 0.0
+        for nbytes in level_bytes:
+            total += kernels_per_level * t.kernel
+            total += count * row_cost(placement.index, 4 * TREE_ARITY, nbytes * k * 2) * rounds
+        return total
+
     # -- how many rows each shard handles per batch -------------------------------------------------------------
     route = placement.sample_route
     if route == "global":
@@ -280,13 +310,15 @@ def estimate(topology: Topology, workload: Workload, placement: Placement, row_b
 
     # -- sample: one call + index work --------------------------------------------------------------------------
     sample = call(st.per_process_max) + t.kernel
+    if route != "shard-local":  # ids (and probabilities) packed beside the rows, non-owned draws masked
+        sample += 2 * t.kernel
     if workload.sampler == "epochs":
         sample += t.kernel
-    if workload.sampler in PRIORITY_SAMPLERS:
-        depth = tree_depth(capacity // s)
+    levels = tree_levels(capacity // s) if workload.sampler in PRIORITY_SAMPLERS else ()
+    if levels:
         if s > 1:  # all-gather of the shard masses: one small collective
-            sample += t.collective * max(1, math.ceil(math.log2(s)))
-        sample += draws * depth * row_cost(placement.index, 4 * TREE_ARITY, sizes["index"] * k) * rounds
+            sample += collective(max(1, math.ceil(math.log2(s))), 0.0)
+        sample += descent(draws, levels, SAMPLE_KERNELS_PER_LEVEL)
         if placement.index != "device":  # kernels move a host array to the device inside jit: the whole index
             link = to_device(placement.index)
             sample += link.transfer_time(sizes["index"], k)
@@ -304,21 +336,16 @@ def estimate(topology: Topology, workload: Workload, placement: Placement, row_b
     delivery = 0.0
     packed = draws * (rb + ID_BYTES)
     if route == "global" and s > 1:
-        link = topology.link_class("network" if nodes > 1 else "peer")
-        concurrent = k if nodes > 1 else s
-        delivery += (s - 1) * (t.collective + link.latency) + (s - 1) / s * packed / link.effective_bandwidth(
-            concurrent)
-        links[link.name] += (s - 1) / s * packed
+        name = "network" if nodes > 1 else "peer"
+        delivery += collective(s - 1, (s - 1) / s * packed, name, k if nodes > 1 else s)
+        links[name] += (s - 1) / s * packed
     elif route == "node-local-first" and s > 1:
-        peer = topology.link_class("peer")
         if k > 1:
-            delivery += (k - 1) * (t.collective + peer.latency) + (k - 1) / k * packed / peer.effective_bandwidth(k)
+            delivery += collective(k - 1, (k - 1) / k * packed, "peer", k)
             links["peer"] += (k - 1) / k * packed
         if nodes > 1:  # node masses all-gathered; draws that fall on another node than the learner's cross it
-            net = topology.link_class("network")
-            delivery += math.ceil(math.log2(nodes)) * (t.collective + net.latency)
             imbalance = math.sqrt(draws) * (rb + ID_BYTES) / max(1, k)
-            delivery += net.latency + imbalance / net.effective_bandwidth(k)
+            delivery += collective(max(1, math.ceil(math.log2(nodes))), imbalance, "network", k)
             links["network"] += imbalance
     if st.colocated < 1.0 or st.learners != s:
         # the batch is sharded over the storage devices; the learner wants it over its own devices
@@ -332,13 +359,14 @@ def estimate(topology: Topology, workload: Workload, placement: Placement, row_b
 
     # -- priority update: ids to every shard, a block rewrite per level per id ----------------------------------
     update = 0.0
-    if workload.sampler in PRIORITY_SAMPLERS:
+    if levels:
         m = b * workload.batches_per_step
         targets = m if route == "global" else -(-m // nodes)
-        depth = tree_depth(capacity // s)
-        host = topology.link_class("host_pageable")
-        update = call(st.per_process_max) + host.transfer_time(targets * ID_BYTES, k)
-        update += targets * depth * row_cost(placement.index, 4 * TREE_ARITY, sizes["index"] * k) * rounds
+        host = topology.link_class("host_pinned")
+        update = call(st.per_process_max) + UPDATE_ARRAYS * t.put + host.transfer_time(targets * ID_BYTES, k)
+        update += descent(targets, levels, UPDATE_KERNELS_PER_LEVEL)
+        if s > 1:  # the largest priority and the ignored count are reduced over the shards
+            update += collective(max(1, math.ceil(math.log2(s))), 0.0)
         if placement.index != "device":  # moved in and back out
             link = to_device(placement.index)
             update += 2 * link.transfer_time(sizes["index"], k)
@@ -352,13 +380,14 @@ def estimate(topology: Topology, workload: Workload, placement: Placement, row_b
         local = placement.ingest_route == "producer-local" and nodes > 1
         per_node_items = items / max(1, len(producers))
         received = per_node_items if local else items  # every shard receives the batch it deals from
+        ingest += t.put * st.per_process_max  # one buffer per device the batch is replicated to
         if placement.storage == "device":
-            link = topology.link_class("host_pageable")
+            # host batches are packed into one array and staged through pinned buffers (PjRt); aliased on CPU
+            link = topology.link_class("host_pinned")
             ingest += link.transfer_time(received * row_bytes, k)
-            once[link.name] += received * row_bytes
-        else:
-            host = memory(placement.storage)
-            ingest += received * row_bytes / host.bandwidth
+            once[link.name] += 0 if link.elided else received * row_bytes
+        elif not to_device(placement.storage).elided:
+            ingest += received * row_bytes / memory(placement.storage).bandwidth
         if nodes > 1:
             # replicated: each node receives the other nodes' items; local: only items of producer nodes that hold
             # no shard travel
@@ -369,8 +398,12 @@ def estimate(topology: Topology, workload: Workload, placement: Placement, row_b
                 ingest += net.latency + remote * row_bytes / net.effective_bandwidth(k) / max(1, k)
                 once["network"] += remote * row_bytes / max(1, k)
         share = received / (k if local else s)
-        write_bw = t.write_bandwidth if placement.storage == "device" else memory(placement.storage).bandwidth
-        ingest += call(st.per_process_max) + share * row_bytes / write_bw * rounds
+        # rings in host memory are written by a host memcpy, unless the backend runs the device kernel on them
+        # in place (XLA:CPU: the move into jit is elided, the write is the same dynamic-update-slice)
+        in_place = placement.storage == "device" or to_device(placement.storage).elided
+        write_bw = t.write_bandwidth if in_place else memory(placement.storage).bandwidth
+        ingest += call(st.per_process_max) + (INGEST_KERNELS * t.kernel + share * (
+            t.write_row + row_bytes / write_bw)) * rounds
 
     n = workload.batches_per_step
     return Costs(ingest=ingest, sample=n * sample, gather=n * gather, delivery=n * delivery, update=update,

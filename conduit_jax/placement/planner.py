@@ -13,8 +13,8 @@ least predicted experience-path time per iteration; ties go to less device memor
 same inputs give the same plan. A 1,024-GPU cluster is a few hundred candidates: well under a second.
 
 A ``Plan`` is data (JSON round trip). Applying it: ``plan.mesh()`` builds the mesh, ``plan.shardings(config)`` gives one
-``NamedSharding(mesh, PartitionSpec, memory_kind)`` per state leaf (``replay.partition_specs`` decides the spec, the plan
-the memory kind), and ``jax.device_put(state, plan.shardings(config))`` moves a state there.
+``NamedSharding(mesh, PartitionSpec, memory_kind)`` per state leaf (``replay.partition_specs`` decides the spec, the
+plan the memory kind), and ``jax.device_put(state, plan.shardings(config))`` moves a state there.
 """
 
 from __future__ import annotations
@@ -28,8 +28,17 @@ from collections import defaultdict
 from typing import Any, Optional, Sequence
 
 from conduit_jax.placement import cost
-from conduit_jax.placement.cost import (GLOBAL_DRAW_SAMPLERS, PARTS, Costs, Placement, Workload, estimate,
-                                        part_bytes, shard_stats, staging_bytes)
+from conduit_jax.placement.cost import (
+    GLOBAL_DRAW_SAMPLERS,
+    PARTS,
+    Costs,
+    Placement,
+    Workload,
+    estimate,
+    part_bytes,
+    shard_stats,
+    staging_bytes,
+)
 from conduit_jax.placement.topology import GB, MEMORY_KINDS, US, PlacementError, Topology
 
 PLAN_FORMAT = "conduit-plan/1"
@@ -59,6 +68,7 @@ class Plan:
     usage: tuple[tuple[str, int, int], ...]  # (memory or pool, used, available)
     part_bytes: tuple[tuple[str, int], ...]  # (part, bytes per shard)
     reasons: tuple[tuple[str, str, str], ...]  # (decision, choice, why)
+    alternatives: tuple[tuple[str, float], ...] = ()  # the next best feasible placements: (what, predicted s)
     considered: int = 0
     feasible: int = 0
 
@@ -108,10 +118,10 @@ class Plan:
     def shardings(self, target, mesh=None):
         """One ``NamedSharding(mesh, spec, memory_kind)`` per leaf of the replay state.
 
-        ``target`` is a ``replay.ReplayConfig`` (its mesh must be this plan's: build the plane with ``mesh=plan.mesh()``)
-        or a state pytree (``ReplayState``, or any pytree: 0-d leaves replicated, others sharded on their first axis
-        over the plan's axes; ``mesh`` defaults to ``plan.mesh()``). The memory kind of each leaf is the plan's kind
-        for its part (``part_of``)."""
+        ``target`` is a ``replay.ReplayConfig`` (its mesh must be this plan's: build the plane with
+        ``mesh=plan.mesh()``) or a state pytree (``ReplayState``, or any pytree: 0-d leaves replicated, others sharded
+        on their first axis over the plan's axes; ``mesh`` defaults to ``plan.mesh()``). The memory kind of each leaf
+        is the plan's kind for its part (``part_of``)."""
         import jax
         from jax.sharding import NamedSharding
         from jax.sharding import PartitionSpec as P
@@ -164,6 +174,7 @@ class Plan:
             "usage": [list(x) for x in self.usage],
             "part_bytes": dict(self.part_bytes),
             "reasons": [list(x) for x in self.reasons],
+            "alternatives": [list(x) for x in self.alternatives],
             "considered": self.considered,
             "feasible": self.feasible,
         }
@@ -188,6 +199,7 @@ class Plan:
                        usage=tuple((a, int(b), int(c)) for a, b, c in d["usage"]),
                        part_bytes=tuple((k, int(v)) for k, v in d["part_bytes"].items()),
                        reasons=tuple((a, b, c) for a, b, c in d["reasons"]),
+                       alternatives=tuple((a, float(b)) for a, b in d.get("alternatives", ())),
                        considered=int(d.get("considered", 0)), feasible=int(d.get("feasible", 0)))
         except (KeyError, TypeError, ValueError) as exc:
             raise PlacementError(f"Plan.from_json(): malformed plan ({type(exc).__name__}: {exc})") from None
@@ -201,11 +213,11 @@ class Plan:
         """A readable table: where each part lives, how a batch travels, the predicted costs, and why."""
         p, w, c = self.placement, self.workload, self.costs
         sizes = dict(self.part_bytes)
-        lines = [f"Plan on {self.topology}: {self.capacity:,} items x {self.row_bytes:,} B "
+        lines = [(f"Plan on {self.topology}: {self.capacity:,} items x {self.row_bytes:,} B "
                  f"({_bytes(self.capacity * self.row_bytes)}), sampler {w.sampler}, batch {w.batch_size} x "
-                 f"{w.batches_per_step} per step, {len(w.learner_devices) or 'all'} learner devices",
-                 f"  mesh {p.mesh_shape} axes {p.axis_names} over devices {_ids(p.device_ids)} "
-                 f"({p.num_shards} shard{'s' if p.num_shards > 1 else ''})",
+                 f"{w.batches_per_step} per step, {len(w.learner_devices) or 'all'} learner devices"),
+                 (f"  mesh {p.mesh_shape} axes {p.axis_names} over devices {_ids(p.device_ids)} "
+                 f"({p.num_shards} shard{'s' if p.num_shards > 1 else ''})"),
                  "",
                  f"  {'part':<9} {'memory':<14} {'per shard':>11} {'total':>11}  why"]
         why = {r[0]: r[2] for r in self.reasons}
@@ -215,8 +227,8 @@ class Plan:
         lines += ["", "  hot/cold: " + "; ".join(f"{tier} {items:,} items in {kind}" for tier, kind, items in
                                                   self.hot_cold), "", "  route:"]
         lines += [f"    {stage:<9} {how}" for stage, how in self.route]
-        lines += ["", f"  predicted per iteration: total {_us(c.total)} (ingest {_us(c.ingest)}, sample "
-                      f"{_us(c.sample)}, gather {_us(c.gather)}, delivery {_us(c.delivery)}, update {_us(c.update)})"]
+        lines += ["", (f"  predicted per iteration: total {_us(c.total)} (ingest {_us(c.ingest)}, sample "
+                      f"{_us(c.sample)}, gather {_us(c.gather)}, delivery {_us(c.delivery)}, update {_us(c.update)})")]
         if c.link_bytes:
             lines.append("    bytes per iteration (busiest device): " +
                          ", ".join(f"{k} {_bytes(v)}" for k, v in c.link_bytes))
@@ -226,6 +238,9 @@ class Plan:
         lines += ["", f"  decisions ({self.feasible} feasible of {self.considered} candidates):"]
         lines += [f"    {decision:<9} {choice:<22} {reason}" for decision, choice, reason in self.reasons
                   if decision not in PARTS]
+        if self.alternatives:
+            lines += ["", "  next best:"]
+            lines += [f"    {_us(total):>10}  {what}" for what, total in self.alternatives]
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -260,9 +275,18 @@ def part_of(path, leaf) -> str:
 class _Candidate:
     placement: Placement
     costs: Costs
-    device_bytes: int
     order: int
     label: str
+
+
+_KIND_RANK = {kind: i for i, kind in enumerate(MEMORY_KINDS)}
+
+
+def _rank(c: _Candidate):
+    """Least predicted time (to the picosecond, so float noise cannot reorder equal costs); on a tie the faster
+    tiers (XLA:CPU, where every kind is one DRAM), then enumeration order."""
+    p = c.placement
+    return round(c.costs.total, 12), _KIND_RANK[p.storage] + _KIND_RANK[p.index], c.order
 
 
 def row_bytes_of(spec) -> int:
@@ -325,8 +349,6 @@ class _Search:
                 sets.append((f"{k} per node x {len(nodes)} nodes", ids, (len(nodes), k), ("node", "local")))
             else:
                 sets.append((f"{k} shard{'s' if k > 1 else ''}", ids, (k,), ("shard",)))
-        if len(nodes) > 1 and per_node > 1:
-            pass  # one shard per node is the smallest multi-node set (k = 1 above)
         return sets
 
     # -- capacity -------------------------------------------------------------------------------------------------
@@ -358,11 +380,6 @@ class _Search:
             if used[name] + held > mem.capacity:
                 violations.append((mem.kind, name, used[name] + held, mem.capacity))
             pool_used[mem.pool] += used[name] + held
-        if reserve:  # reserves of learners with nothing placed still occupy their pool
-            for i in self.learners:
-                mem = topo.memory(i, "device")
-                if mem.name not in mems:
-                    pool_used[mem.pool] += reserve
         for pool, bytes_used in pool_used.items():
             have = topo.pool_capacity(pool) - (self.work.host_reserve if pool in self.host_pools else 0)
             if bytes_used > have:
@@ -378,6 +395,8 @@ class _Search:
             routes = ["shard-local"]
         else:
             routes = ["global", "node-local-first"] if multi_node else ["global"]
+            if work.local_draws and work.sampler == "uniform":
+                routes.append("shard-local")
         ingest_routes = ["replicated", "producer-local"] if multi_node else ["replicated"]
         needs_index = part_bytes(self.row_bytes, self.capacity, 1, work)["index"] > 0
         index_kinds = self.kinds if needs_index else ("device",)
@@ -387,31 +406,30 @@ class _Search:
         considered = 0
         order = 0
         for label, ids, shape, axes in sets:
-            if self.capacity % len(ids):
+            if self.capacity % len(ids) or work.batch_size % len(ids):  # the plane shards both evenly
                 considered += 1
-                rejected.append((label, Placement(ids, shape, axes), [("divisible", label, self.capacity, len(ids))]))
+                rejected.append((label, Placement(ids, shape, axes),
+                                 [("divisible", label, (self.capacity, work.batch_size), len(ids))]))
                 continue
             stats = shard_stats(topo, ids, self.learners)
             for storage in self.kinds:
                 for index in index_kinds:
-                    result, violations = self.usage(ids, storage, index)
+                    _, violations = self.usage(ids, storage, index)
                     base = Placement(ids, shape, axes, storage=storage, index=index)
                     if violations:
                         considered += len(routes) * len(ingest_routes)
                         rejected.append((label, base, violations))
                         continue
-                    used, mems, _ = result
-                    device_bytes = sum(b for n, b in used.items() if mems[n].kind == "device")
                     for route in routes:
                         for ingest in ingest_routes:
                             considered += 1
                             placement = dataclasses.replace(base, sample_route=route, ingest_route=ingest)
                             costs = estimate(topo, work, placement, self.row_bytes, self.capacity, stats)
-                            candidates.append(_Candidate(placement, costs, device_bytes, order, label))
+                            candidates.append(_Candidate(placement, costs, order, label))
                             order += 1
         if not candidates:
             raise PlacementError(self.infeasible_message(sets, rejected))
-        best = min(candidates, key=lambda c: (c.costs.total, c.device_bytes, c.order))
+        best = min(candidates, key=_rank)
         return self.build(best, candidates, rejected, considered)
 
     # -- the plan ---------------------------------------------------------------------------------------------------
@@ -426,19 +444,25 @@ class _Search:
                 name, b = max(named, key=lambda x: (x[1], x[0]))
                 held = work.device_reserve if kind == "device" and mems[name].device in self.learner_set else 0
                 usage.append((name + (" (+reserve)" if held else ""), b + held, mems[name].capacity))
-        if pool_used:
-            pool, b = max(pool_used.items(), key=lambda x: (x[1] / max(1, topo.pool_capacity(x[0])), x[0]))
+        members = defaultdict(int)
+        for mem in topo.memories:
+            members[mem.pool] += 1
+        shared = {k: v for k, v in pool_used.items() if members[k] > 1}  # a pool of one memory repeats its row
+        if shared:
+            pool, b = max(shared.items(), key=lambda x: (x[1] / max(1, topo.pool_capacity(x[0])), x[0]))
             have = topo.pool_capacity(pool) - (work.host_reserve if pool in self.host_pools else 0)
             usage.append((f"pool {pool}", b, have))
         staged_items = int(work.prefetch) * work.batch_size * work.window
         if p.storage == "device":
-            hot_cold = (("hot", "device", self.capacity), ("cold", p.storage, 0))
+            hot_cold = (("hot", "device", self.capacity), ("cold", "none", 0))
         else:
             hot_cold = (("hot", "device", min(staged_items, self.capacity)), ("cold", p.storage, self.capacity))
         return Plan(placement=p, costs=best.costs, row_bytes=self.row_bytes, capacity=self.capacity, workload=work,
                     topology=topo.name, hot_cold=hot_cold, route=self.describe_route(p),
                     usage=tuple(usage), part_bytes=tuple((k, int(v)) for k, v in sizes.items()),
                     reasons=self.reasons(best, candidates, rejected, sizes),
+                    alternatives=tuple((_describe(c.placement), c.costs.total)
+                                       for c in sorted(candidates, key=_rank) if c is not best)[:5],
                     considered=considered, feasible=len(candidates))
 
     def describe_route(self, p: Placement) -> tuple[tuple[str, str], ...]:
@@ -452,31 +476,35 @@ class _Search:
             how = ("node-local first: node masses all-gathered once, each node draws its share from its own shards "
                    "(reduce-scatter inside the node), only the imbalance crosses the network; needs the hierarchical "
                    "sampler of distributed/ (replay.sample draws globally)")
-        else:
+        elif self.work.sampler == "fifo":
             how = "shard-local: each shard reads its own next rows; no exchange"
+        else:
+            how = ("shard-local draws: each shard draws B/S of its own items and keeps them (uniform up to one item "
+                   "per shard under round-robin dealing); needs a shard-local uniform sampler (replay.sample draws "
+                   "globally)")
         out.append(("sample", how))
         if p.storage == "device":
             out.append(("gather", "random rows from the shard's own device memory"))
         else:
             link = topo.link(topo.memory(dev.id, p.storage), dev)
             if link.elided:
-                out.append(("gather", f"{p.storage} rows moved to 'device' inside the jitted kernel (XLA:CPU elides "
-                                      f"the copy: one DRAM)"))
+                out.append(("gather", (f"{p.storage} rows moved to 'device' inside the jitted kernel (XLA:CPU elides "
+                                      f"the copy: one DRAM)")))
             else:
-                out.append(("gather", f"host-side gather in {p.storage}, then the gathered rows cross {link.name} "
-                                      f"({_bw(link.bandwidth)}) to the device"))
+                out.append(("gather", (f"host-side gather in {p.storage}, then the gathered rows cross {link.name} "
+                                      f"({_bw(link.bandwidth)}) to the device")))
         learners = set(self.learners)
         if set(p.device_ids) == learners:
-            out.append(("delivery", "co-located: the batch lands sharded over the learner's data-parallel devices, "
-                                    "no copy"))
+            out.append(("delivery", ("co-located: the batch lands sharded over the learner's data-parallel devices, "
+                                    "no copy")))
         else:
-            out.append(("delivery", f"batch copied from {p.num_shards} storage device(s) to {len(learners)} learner "
-                                    f"devices"))
+            out.append(("delivery", (f"batch copied from {p.num_shards} storage device(s) to {len(learners)} learner "
+                                    f"devices")))
         if p.ingest_route == "producer-local":
             out.append(("ingest", "producer-local: each node's actors write to that node's shards only"))
         else:
-            out.append(("ingest", "each shard receives the ingested batch and writes its round-robin share at its "
-                                  "own cursor"))
+            out.append(("ingest", ("each shard receives the ingested batch and writes its round-robin share at its "
+                                  "own cursor")))
         return tuple(out)
 
     def reasons(self, best: _Candidate, candidates, rejected, sizes) -> tuple[tuple[str, str, str], ...]:
@@ -484,19 +512,24 @@ class _Search:
         total = best.costs.total
         out = []
 
+        fields = ("storage", "index", "sample_route", "ingest_route")
+
         def rival(differs) -> str:
-            """The best feasible candidate that differs from the plan in one decision, as a cost comparison, or the
-            constraint that kept such candidates out."""
+            """The best feasible candidate that differs from the plan in this decision only (else in this decision at
+            least), as a cost comparison, or the constraint that kept such candidates out."""
             alts = [c for c in candidates if differs(c.placement)]
+            only = [c for c in alts if sum(getattr(c.placement, f) != getattr(p, f) for f in fields) +
+                    (c.placement.device_ids != p.device_ids) == 1]
+            alts = only or alts
             if alts:
-                alt = min(alts, key=lambda c: (c.costs.total, c.device_bytes, c.order))
+                alt = min(alts, key=_rank)
                 delta = alt.costs.total - total
                 pct = 100 * delta / total if total > 0 else 0.0
                 return f"{_describe(alt.placement)} would cost {_us(alt.costs.total)} ({'+' if delta >= 0 else ''}" \
                        f"{pct:.0f}%)"
-            bad = [(label, pl, v) for label, pl, v in rejected if differs(pl)]
+            bad = [(pl, v) for _, pl, v in rejected if differs(pl)]
             if bad:
-                label, pl, v = bad[0]
+                pl, v = bad[0]
                 return f"{_describe(pl)} does not fit: {_violation(v[0])}"
             return "no alternative on this topology"
 
@@ -530,7 +563,7 @@ class _Search:
             why = (f"{p.num_shards} of the {learners} learner devices" +
                    (f": a multi-device call costs {_us(t.mesh_sync)} + {_us(t.mesh_launch)} per device here, more "
                     f"than parallel gathers save" if t.mesh_launch > 20 * US else ""))
-        out.append(("shards", f"{p.num_shards} {'x'.join(map(str, p.mesh_shape))}",
+        out.append(("shards", f"{p.num_shards} (mesh {'x'.join(map(str, p.mesh_shape))})",
                     why + "; " + rival(lambda q: q.num_shards != p.num_shards)))
         if work.sampler in GLOBAL_DRAW_SAMPLERS or p.sample_route != "shard-local":
             out.append(("sample", p.sample_route, rival(lambda q: q.sample_route != p.sample_route)))
@@ -544,24 +577,28 @@ class _Search:
                 f"({_bytes(self.capacity * self.row_bytes)} of rows) fits on {topo.name!r}")
         if work.device_reserve:
             head += f" with {_bytes(work.device_reserve)} reserved on each learner device"
-        divisible = [r for r in rejected if r[2][0][0] != "divisible"]
-        if not divisible:
+        misses = [r for r in rejected if r[2][0][0] != "divisible"]
+        if not misses:
             counts = sorted({len(ids) for _, ids, _, _ in sets})
-            near = [self.capacity - self.capacity % s for s in counts if self.capacity >= s]
-            return (head + f": capacity must be a multiple of the shard count, one of {counts}; e.g. capacity="
-                    f"{max(near) if near else max(counts):,}")
+            s = counts[0]
+            return (head + f": capacity ({self.capacity:,}) and batch size ({work.batch_size:,}) must each be a "
+                    f"multiple of the shard count, one of {counts} here; e.g. capacity="
+                    f"{max(s, self.capacity - self.capacity % s):,} and batch size "
+                    f"{max(s, work.batch_size - work.batch_size % s):,}")
         # the closest miss: least relative shortfall of its worst constraint
         def shortfall(v):
-            what, name, need, have = v
+            _, _, need, have = v
             return (need - have) / max(need, 1)
 
-        label, pl, violations = min(divisible, key=lambda r: (max(shortfall(v) for v in r[2]), r[1].num_shards))
+        _, pl, violations = min(misses, key=lambda r: (max(shortfall(v) for v in r[2]), r[1].num_shards))
         worst = max(violations, key=shortfall)
         parts = [head + ".",
                  f"Closest: {_describe(pl)}: {_violation(worst)}."]
         # what would fit: the largest capacity any candidate holds
         best_fit, best_desc = 0, ""
-        for label, ids, shape, axes in sets:
+        for _, ids, shape, axes in sets:
+            if work.batch_size % len(ids):
+                continue
             for storage in self.kinds:
                 for index in self.kinds:
                     fit = self.max_capacity(ids, storage, index)
@@ -569,12 +606,16 @@ class _Search:
                         best_fit, best_desc = fit, _describe(Placement(ids, shape, axes, storage=storage,
                                                                        index=index))
         if best_fit:
-            parts.append(f"What would fit: capacity <= {best_fit:,} items ({_describe_short(best_desc)})"
+            parts.append(f"What would fit: capacity <= {best_fit:,} items ({best_desc})"
                          + (", or a smaller device_reserve" if work.device_reserve else "")
                          + ", or a topology with more memory.")
         else:
-            parts.append("Nothing fits, not even one item per shard: the reserves take all memory "
-                         f"(device_reserve={_bytes(work.device_reserve)}, host_reserve={_bytes(work.host_reserve)}).")
+            learners = len(self.learners)
+            parts.append(f"Nothing fits at any capacity: each learner device must hold its reserve "
+                         f"({_bytes(work.device_reserve)}) plus the staged batches ({_bytes(self.staging)}: prefetch "
+                         f"{work.prefetch:g} x {-(-work.batch_size // learners):,} rows x "
+                         f"{self.row_bytes * work.window:,} B), and each node's DRAM its host_reserve "
+                         f"({_bytes(work.host_reserve)}); lower them or use a topology with more memory.")
         return " ".join(parts)
 
     def max_capacity(self, ids, storage: str, index: str) -> int:
@@ -594,7 +635,7 @@ class _Search:
 def _violation(v) -> str:
     what, name, need, have = v
     if what == "divisible":
-        return f"capacity {need:,} is not a multiple of {have} shards"
+        return f"capacity {need[0]:,} or batch size {need[1]:,} is not a multiple of {have} shards"
     return f"{name} needs {_bytes(need)} but holds {_bytes(have)} (short by {_bytes(need - have)})"
 
 
@@ -602,10 +643,6 @@ def _describe(p: Placement) -> str:
     return (f"{p.num_shards} shard{'s' if p.num_shards > 1 else ''}, storage in {p.storage}, index in {p.index}"
             + ("" if p.sample_route == "global" else f", {p.sample_route} sampling")
             + ("" if p.ingest_route == "replicated" else f", {p.ingest_route} ingest"))
-
-
-def _describe_short(text: str) -> str:
-    return text
 
 
 def _bytes(n: float) -> str:
@@ -686,9 +723,10 @@ def _size(text: str) -> int:
 def build_parser(parser: Optional[argparse.ArgumentParser] = None) -> argparse.ArgumentParser:
     parser = parser or argparse.ArgumentParser(prog="conduit plan",
                                                description="plan where the experience plane's state lives")
-    parser.add_argument("--topology", default="emulated_cpu",
+    parser.add_argument("--topology", default="detect",
                         help="a preset (emulated_cpu[:DEVICES], h200, dgx_h100, pcie_8gpu, "
-                             "cluster[:NODES[:NODE_PRESET[:GBPS]]]), 'detect', or a topology JSON file")
+                             "cluster[:NODES[:NODE_PRESET[:GBPS]]]), 'detect' (default: this machine), or a "
+                             "topology JSON file")
     parser.add_argument("--spec", required=True,
                         help="item bytes (400), name:dtype[:shape],... (obs:uint8:84x84x4,act:int32), a JSON object "
                              "or @file.json")
@@ -702,6 +740,8 @@ def build_parser(parser: Optional[argparse.ArgumentParser] = None) -> argparse.A
     parser.add_argument("--learners", type=int, default=None, help="learner devices: the first N (default: all)")
     parser.add_argument("--reserve", type=_size, default=0, help="memory each learner device keeps free (e.g. 40GB)")
     parser.add_argument("--host-reserve", type=_size, default=0, help="memory each node's DRAM keeps free")
+    parser.add_argument("--local-draws", action="store_true",
+                        help="consider shard-local uniform draws (needs a sampler that does them)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     return parser
 
@@ -718,7 +758,8 @@ def run_cli(args: argparse.Namespace) -> int:
             learners = tuple(ids[:args.learners])
         workload = Workload(batch_size=args.batch_size, batches_per_step=args.batches_per_step, sampler=args.sampler,
                             window=args.window, ingest_rate=args.ingest_rate, step_time=args.step_time,
-                            learner_devices=learners, device_reserve=args.reserve, host_reserve=args.host_reserve)
+                            learner_devices=learners, device_reserve=args.reserve, host_reserve=args.host_reserve,
+                            local_draws=args.local_draws)
         result = plan(spec, args.capacity, topology, workload)
     except (PlacementError, ValueError, OSError) as exc:
         print(f"conduit plan: error: {exc}", file=sys.stderr)

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import time
 from typing import Iterator, Optional
@@ -103,7 +102,9 @@ class Timing:
 
     launch: floor of one jitted call (s). kernel: each extra top-level kernel of a call. mesh_launch: added per device
     of a multi-device call driven by one process; mesh_sync: added once when a call spans more than one device.
-    collective: latency of one collective step. write_bandwidth: in-place row writes (dynamic-update-slice).
+    collective: fixed cost of one collective (each algorithm step adds its link's latency). write_bandwidth and
+    write_row: an ingest writes each row in place at that bandwidth plus a fixed time per row (deal, pack, masked
+    dynamic-update-slice). put: one small host -> device array transfer outside jit.
     cores: parallel workers for per-shard work in one process (0: every device runs in parallel, as GPUs do).
     cache_bytes / cache_row_time: a last-level cache that serves random rows of a buffer that fits in it faster.
     """
@@ -114,6 +115,8 @@ class Timing:
     mesh_sync: float
     collective: float
     write_bandwidth: float
+    write_row: float = 0.0
+    put: float = 0.0
     cores: int = 0
     cache_bytes: int = 0
     cache_row_time: float = 0.0
@@ -325,27 +328,35 @@ def _id_ranges(ids) -> str:
 # placement sweep in benchmarks/bench_placement.py). detect() re-measures what it can on whatever machine it runs.
 # ------------------------------------------------------------------------------------------------------------------
 CPU_TIMING = Timing(
-    launch=7.5 * US,        # "a scalar jit's floor is ~7.5 us" (ARCHITECTURE.md)
+    launch=7.5 * US,        # "a scalar jit's floor is ~7.5 us" (ARCHITECTURE.md); detect() measures 5-8 us
     kernel=2.0 * US,        # "each top-level fusion or thunk costs ~1-3 us" (ARCHITECTURE.md)
-    mesh_launch=59 * US,    # emulated mesh: a gather over S devices cost ~68 + 59*S us here (1 device: 33 us);
-    mesh_sync=68 * US,      # the doc's "sharded sampling was 4-7x slower than the same sampler on one device"
-    collective=20 * US,     # psum_scatter of a 256-row batch added ~15-100 us over a trivial sharded call (noisy)
+    # The emulated mesh on 2 cores (fit to the placement sweep, benchmarks/bench_placement.py): a shard-local gather
+    # over S devices took ~80 + 45*S us against ~20-35 us on one device -- the doc's "sharded sampling was 4-7x slower
+    # than the same sampler on one device"; a psum_scatter of the batch added ~43 us + ~24 us per ring step.
+    mesh_launch=45 * US,
+    mesh_sync=70 * US,
+    collective=43 * US,
     write_bandwidth=3 * GB,  # "XLA:CPU's dynamic-update-slice writes at ~3 GB/s" (ARCHITECTURE.md)
+    write_row=50 * NS,      # replay.ingest of 1,024 host-packed 96 B rows: 33-160 us here from run to run (any
+    #                         memory kind); this sits in the middle
+    put=10 * US,            # device_put of a small NumPy array; aliased, so size does not matter
     cores=2,
     cache_bytes=32 << 20,   # L3 of this EPYC host (lscpu)
     cache_row_time=15 * NS,
 )
-CPU_ROW_TIME = 95 * NS      # random 96 B rows from a 96 MB ring: (33 us - launch - hash) / 256 rows; the doc's
-#                             130-150 ns/row is per-leaf access with more kernels around it
+# One random 96 B row from a 100 MB ring inside a gather: ~40-70 ns in a process with 8 emulated devices (the loads
+# of a gather overlap: DRAM latency ~100 ns over 2-3 misses in flight); the doc's "~130-150 ns per random row" is the
+# per-leaf case with more kernels around it. A process with one CPU device gathers about 2x faster (~25-30 ns).
+CPU_ROW_TIME = 60 * NS
 CPU_MEMCPY = 8 * GB         # np.copyto of 64 MB on this host: ~8 GB/s (benchmarks/common.MemcpyMeter measures it too)
 
 
-def _cpu_links(memcpy: float, put_latency: float = 2 * US) -> dict[str, Link]:
+def _cpu_links(memcpy: float) -> dict[str, Link]:
     # On XLA:CPU all three kinds are the same DRAM: moving a pinned_host array to 'device' inside jit is elided (no
     # copy op in the compiled HLO), while an eager device_put between kinds is a real memcpy (~16 GB/s both ways).
     return {
         "local": Link("local", memcpy, 0.0),
-        "peer": Link("peer", memcpy, put_latency, aggregate=memcpy),
+        "peer": Link("peer", memcpy, 24 * US, aggregate=memcpy),  # one ring step of an emulated collective
         "host_pinned": Link("host_pinned", memcpy, 0.0, aggregate=memcpy, elided=True),
         "host_pageable": Link("host_pageable", memcpy, 0.0, aggregate=memcpy, elided=True),
         "network": Link("network", 1.25 * GB, 50 * US),  # loopback gloo between local processes: a guess, untested
@@ -394,11 +405,12 @@ def emulated_cpu(devices: int = 8, *, host_memory: Optional[int] = None, device_
 # GPU presets. Figures are public datasheet numbers; derived ones say how they were derived.
 # ------------------------------------------------------------------------------------------------------------------
 # Dispatch on a GPU host: one XLA executable launch is ~10 us of host work (CUDA kernel launch ~3-5 us each, plus PjRt
-# argument handling); a process driving 8 local GPUs adds a few us per device; one NCCL step over NVLink is ~10 us of
-# latency (NCCL tests, small messages). Rows are read by thousands of threads at once: a random 64 B sector costs
-# bytes/bandwidth at ~40% efficiency, not the ~600 ns HBM latency.
-GPU_TIMING = Timing(launch=10 * US, kernel=3 * US, mesh_launch=3 * US, mesh_sync=5 * US, collective=10 * US,
-                    write_bandwidth=500 * GB, cores=0)
+# argument handling); a process driving 8 local GPUs launches on one thread per device, ~1 us each plus a ~5 us
+# barrier; one NCCL collective over NVLink is ~10 us of fixed cost (NCCL tests, small messages) plus ~2 us per ring
+# step. Rows are read by thousands of threads at once: a random 64 B sector costs bytes/bandwidth at ~40% efficiency,
+# not the ~600 ns HBM latency.
+GPU_TIMING = Timing(launch=10 * US, kernel=2 * US, mesh_launch=1 * US, mesh_sync=5 * US, collective=8 * US,
+                    write_bandwidth=500 * GB, put=10 * US, cores=0)
 # PCIe Gen5 x16: 32 GT/s x 16 lanes, 128b/130b = 63 GB/s per direction (PCI-SIG); pinned DMA reaches ~55 GB/s, a
 # pageable copy goes through a staging buffer at about half that (CUDA best-practices guide: "pinned memory ...
 # highest bandwidth"). Latency of one cudaMemcpyAsync: ~5 us pinned, ~10 us pageable.
@@ -437,7 +449,7 @@ def dgx_h100() -> Topology:
         device_memory=int(80 * GB), device_bandwidth=bw, device_row_time=_gpu_row_time(bw), host_memory=int(2 * TB),
         pinned_limit=int(1 * TB), host_bandwidth=2 * HOST_BANDWIDTH, host_row_time=HOST_ROW_TIME,
         links={"local": Link("local", bw, 0.0),
-               "peer": Link("peer", 450 * GB, 3 * US),  # NVSwitch: full bandwidth between any pair, no sharing
+               "peer": Link("peer", 450 * GB, 2 * US),  # NVSwitch: full bandwidth between any pair, no sharing
                "host_pinned": dataclasses.replace(PCIE5_PINNED, aggregate=4 * 55 * GB),
                "host_pageable": dataclasses.replace(PCIE5_PAGEABLE, aggregate=4 * 25 * GB),
                "network": Link("network", 50 * GB, 5 * US, aggregate=400 * GB)},  # 8 x 400 Gb/s NDR, 1 per GPU
@@ -497,76 +509,97 @@ PRESETS = {"emulated_cpu": emulated_cpu, "cpu": emulated_cpu, "h200": h200, "dgx
 # ------------------------------------------------------------------------------------------------------------------
 # detect(): the running backend plus a bounded probe
 # ------------------------------------------------------------------------------------------------------------------
-def _median_time(fn, n: int, deadline: float) -> Optional[float]:
+def _median_time(fn, n: int, deadline: float, blocks: int = 3) -> Optional[float]:
+    """The least of ``blocks`` block medians of ``n`` calls in all (after a warm-up): on a shared host other
+    processes only ever add time, so the quietest block is the best estimate of the call itself."""
     import jax
 
-    jax.block_until_ready(fn())  # warm (compiles)
-    times = []
-    for _ in range(n):
-        if time.perf_counter() > deadline and len(times) >= 3:
+    jax.block_until_ready(fn())  # compile
+    for _ in range(max(1, n // 4)):  # wake the runtime's worker threads (they sleep when idle)
+        if time.perf_counter() > deadline:
             break
-        start = time.perf_counter()
         jax.block_until_ready(fn())
-        times.append(time.perf_counter() - start)
-    times.sort()
-    return times[len(times) // 2] if times else None
+    medians = []
+    per_block = max(3, n // blocks)
+    for _ in range(blocks):
+        times = []
+        for _ in range(per_block):
+            if time.perf_counter() > deadline and len(times) >= 3:
+                break
+            start = time.perf_counter()
+            jax.block_until_ready(fn())
+            times.append(time.perf_counter() - start)
+        times.sort()
+        medians.append(times[len(times) // 2])
+        if time.perf_counter() > deadline:
+            break
+    return min(medians) if medians else None
 
 
 def _probe(device, kinds, budget_s: float) -> dict[str, float]:
-    """Measure on ``device``: launch floor, random-row time, copy bandwidth between memory kinds, multi-device call
-    overhead. Stops adding measurements when the budget runs out (the rest keep their preset values)."""
+    """Measure on ``device``, most useful first: the launch floor, the time of a random row in a gather (a 48 MiB ring,
+    bigger than this host's last-level cache, indices from the samplers' hash), then eager copy bandwidth between
+    memory kinds. Each stage runs only while the budget lasts; what is not measured keeps its preset value."""
     import jax
     import jax.numpy as jnp
     import numpy as np
     from jax import lax
     from jax.sharding import SingleDeviceSharding
 
+    from conduit_jax.samplers import mix32
+
     out: dict[str, float] = {}
     start = time.perf_counter()
     deadline = start + budget_s
 
-    def left() -> float:
-        return deadline - time.perf_counter()
+    def until(share: float) -> float:
+        return min(deadline, time.perf_counter() + share * budget_s)
 
     scalar = jax.device_put(np.zeros((), np.int32), device)
     bump = jax.jit(lambda x: x + 1)
-    out["launch_s"] = _median_time(lambda: bump(scalar), 30, time.perf_counter() + 0.03)
+    out["launch_s"] = _median_time(lambda: bump(scalar), 60, until(0.07))
 
-    # copies between memory kinds: 4 MiB arrays, device -> kind and back (eager device_put: a real copy)
-    nbytes = 4 << 20
-    src = jax.device_put(np.ones((nbytes // 4,), np.uint32), SingleDeviceSharding(device, memory_kind="device"))
-    for kind in kinds:
-        if kind == "device" or left() < 0.1 * budget_s:
-            continue
-        target = SingleDeviceSharding(device, memory_kind=kind)
-        t = _median_time(lambda: jax.device_put(src, target), 5, time.perf_counter() + 0.03)
-        if t:
-            out[f"copy_device_to_{kind}_Bps"] = nbytes / t
-        moved = jax.device_put(src, target)
-        back = SingleDeviceSharding(device, memory_kind="device")
-        t = _median_time(lambda: jax.device_put(moved, back), 5, time.perf_counter() + 0.03)
-        if t:
-            out[f"copy_{kind}_to_device_Bps"] = nbytes / t
-
-    # random rows: 256 rows of 96 B from a 64 MiB ring (bigger than a typical last-level cache), indices from a hash
-    if left() > 0.35 * budget_s:
-        rows_n, words, batch = (64 << 20) // 96, 24, 256
-        ring = jax.jit(lambda: jnp.zeros((rows_n, words), jnp.uint32) + jnp.uint32(1),
-                       out_shardings=SingleDeviceSharding(device))()
+    if deadline - time.perf_counter() > 0.5 * budget_s:
+        rows_n, words, batch = (48 << 20) // 96, 24, 1024
+        # written contents (never-touched zero pages all map one cached page); device_put of aligned NumPy aliases
+        host = np.arange(rows_n * words, dtype=np.uint32).reshape(rows_n, words)
+        ring = jax.device_put(host, SingleDeviceSharding(device))
 
         def gather(ring, c):
-            i = (lax.iota(jnp.uint32, batch) + c * jnp.uint32(batch)) * jnp.uint32(0x9E3779B1)
-            i = (i ^ (i >> 15)) % jnp.uint32(rows_n)
+            i = mix32(mix32(c) + lax.iota(jnp.uint32, batch) * jnp.uint32(0x632BE5AB)) % jnp.uint32(rows_n)
             return ring.at[i.astype(jnp.int32)].get(mode="promise_in_bounds")
 
         g = jax.jit(gather)
+        counters = [jax.device_put(np.uint32(i), device) for i in range(32)]  # committed: no transfer per call
         counter = iter(range(1 << 30))
-        t = _median_time(lambda: g(ring, np.uint32(next(counter))), 30, time.perf_counter() + 0.04)
-        if t and out.get("launch_s"):
+        t = _median_time(lambda: g(ring, counters[next(counter) % 32]), 45, until(0.3))
+        if t and out.get("launch_s"):  # the call's floor and the hash kernel are subtracted
             out["row_time_s"] = max(1 * NS, (t - out["launch_s"] - CPU_TIMING.kernel) / batch)
-        del ring
+        del ring, host
+
+    # eager copies between memory kinds (device_put outside jit is a real copy): 1 MiB, device -> kind and back
+    nbytes = 1 << 20
+    src = jax.device_put(np.ones((nbytes // 4,), np.uint32), SingleDeviceSharding(device, memory_kind="device"))
+    back = SingleDeviceSharding(device, memory_kind="device")
+    for kind in kinds:
+        if kind == "device" or deadline - time.perf_counter() < 0.1 * budget_s:
+            continue
+        target = SingleDeviceSharding(device, memory_kind=kind)
+        t = _median_time(lambda target=target: jax.device_put(src, target), 5, until(0.05))
+        if t:
+            out[f"copy_device_to_{kind}_Bps"] = nbytes / t
+        moved = jax.device_put(src, target)
+        t = _median_time(lambda moved=moved: jax.device_put(moved, back), 5, until(0.05))
+        if t:
+            out[f"copy_{kind}_to_device_Bps"] = nbytes / t
     out["probe_s"] = time.perf_counter() - start
     return out
+
+
+def _plausible(measured: Optional[float], preset: float, factor: float = 2.0) -> float:
+    if measured is None or not preset / factor <= measured <= preset * factor:
+        return preset
+    return measured
 
 
 def _detect(probe_budget_s: float) -> Topology:
@@ -592,13 +625,14 @@ def _detect(probe_budget_s: float) -> Topology:
         limit = stats.get("bytes_limit") or stats.get("bytes_reservable_limit") or 0
         device_capacity = max(0, int(limit) - int(stats.get("bytes_in_use", 0))) if limit else 16 * GiB
         device_in_pool = False
-    launch = probe.get("launch_s") or base_timing.launch
+    # a probe of a few hundred ms on a shared host is noisy: a reading more than 2x off the preset is taken for noise
+    launch = _plausible(probe.get("launch_s"), base_timing.launch)
     timing = dataclasses.replace(base_timing, launch=launch, cores=cores if platform == "cpu" else 0)
     if platform == "cpu":
-        row_time = probe.get("row_time_s", row_time)
+        row_time = _plausible(probe.get("row_time_s"), row_time)
         copy = [v for k, v in probe.items() if k.startswith("copy_")]
         if copy:
-            host_bw = dev_bw = max(copy)
+            host_bw = dev_bw = _plausible(sorted(copy)[len(copy) // 2], CPU_MEMCPY)
         links = _cpu_links(dev_bw)
     else:
         pinned_bw = probe.get("copy_pinned_host_to_device_Bps", PCIE5_PINNED.bandwidth)
@@ -607,8 +641,7 @@ def _detect(probe_budget_s: float) -> Topology:
                  "host_pinned": dataclasses.replace(PCIE5_PINNED, bandwidth=pinned_bw),
                  "host_pageable": dataclasses.replace(PCIE5_PAGEABLE, bandwidth=pageable_bw),
                  "network": Link("network", 12.5 * GB, 10 * US)}
-        if probe.get("row_time_s"):
-            row_time = probe["row_time_s"]
+        row_time = _plausible(probe.get("row_time_s"), row_time)
 
     by_process: dict[int, list] = {}
     for d in devices:
