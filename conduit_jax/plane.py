@@ -49,14 +49,15 @@ class ExperienceDataPlane:
       staleness: ``limits.Staleness(max_versions, key)``: deliver only items at most that many policy versions old.
       schedule: how ``deliver()`` overlaps sampling with the learner (``schedule.sync()`` by default).
       mesh: the devices to shard over (every axis of the mesh is used); default every local device on one axis.
+      plan: a ``placement.Plan`` for this spec and capacity: its mesh, and a memory kind for each state part.
       seed: seeds the sampler's random stream.
       cast: accept int64/float64 leaves and narrow them to the spec's 32-bit dtypes (x64 is off in JAX).
     """
 
     def __init__(self, spec, capacity: int, sampler: Optional[samplers.Sampler] = None, *,
                  limiter: Optional[limits.Limiter] = None, staleness: Optional[Staleness] = None,
-                 schedule: Optional[schedule_lib.Schedule] = None, mesh: Optional[Mesh] = None, seed: int = 0,
-                 cast: bool = False):
+                 schedule: Optional[schedule_lib.Schedule] = None, mesh: Optional[Mesh] = None, plan=None,
+                 seed: int = 0, cast: bool = False):
         self.spec = spec if isinstance(spec, ExperienceSpec) else ExperienceSpec.from_structs(spec)
         self.sampler = samplers.uniform(256) if sampler is None else sampler
         if not isinstance(self.sampler, samplers.Sampler):
@@ -67,22 +68,22 @@ class ExperienceDataPlane:
             raise ConfigError(f"ExperienceDataPlane(): limiter must be a limits.Limiter (e.g. "
                               f"limits.sample_to_insert_ratio(...)), got {type(self.limiter).__name__}")
         self.limiter.check(self.sampler.batch_size)
-        self.mesh = default_mesh() if mesh is None else mesh
+        if plan is not None and mesh is not None:
+            raise ConfigError("ExperienceDataPlane(): pass mesh or plan, not both (a plan brings its mesh: "
+                              "plan.mesh())")
+        self.mesh = plan.mesh() if plan is not None else default_mesh() if mesh is None else mesh
         self.cast = bool(cast)
         config = ReplayConfig(storage.RowLayout.of(self.spec), self.sampler, self.limiter, staleness, self.mesh,
                               tuple(self.mesh.axis_names), capacity if isinstance(capacity, int) else -1)
         _check_config(config, capacity)
+        if plan is not None:
+            _check_plan(plan, config)
         self.config = config
-        self._shardings = replay.shardings(config)
+        self._shardings = replay.shardings(config) if plan is None else plan.shardings(config)
+        self.plan = plan
         self.state: ReplayState = jax.jit(functools.partial(replay.init, config, seed),
                                           out_shardings=self._shardings)()
-        self._ingest_kernels: dict[tuple[int, bool], Any] = {}  # (rows, host-packed) -> kernel
-        self._sample_kernel = _reading_storage(functools.partial(replay.sample, config))
-        self._version_kernel = _reading_storage(lambda state, version: (
-            replay.set_policy_version(config, state, version),))
-        self._status_kernel = jax.jit(functools.partial(replay.status, config))
-        self._update_kernel = _reading_storage(lambda state, ids, priorities, valid: (
-            _replace(state, sampler=replay.update(config, state, ids, priorities, valid)),))
+        self._build_kernels()
         self._known_size = 0  # a lower bound of the stored item count: it never decreases
         self._compiles: collections.Counter = collections.Counter()  # kernel name -> XLA compilations
         self.timeline = metrics.Timeline()  # wall-clock spans per stage (see metrics.py)
@@ -96,6 +97,18 @@ class ExperienceDataPlane:
         self._depth = self.schedule.depth  # current prefetch depth (moves under the adaptive policy)
         self._step = 0  # deliver() calls so far
         self._last_delivery_end: Optional[float] = None
+
+    def _build_kernels(self) -> None:
+        """Compile-on-first-use kernels for the current config and shardings (a replan builds new ones)."""
+        config, shardings = self.config, self._shardings
+        rest = _replace(shardings, storage=None)
+        self._ingest_kernels: dict[tuple[int, bool], Any] = {}  # (rows, host-packed) -> kernel
+        self._sample_kernel = _reading_storage(functools.partial(replay.sample, config), shardings, rest, 1)
+        self._version_kernel = _reading_storage(lambda state, version: (
+            replay.set_policy_version(config, state, version),), shardings, rest, 0)
+        self._update_kernel = _reading_storage(lambda state, ids, priorities, valid: (
+            _replace(state, sampler=replay.update(config, state, ids, priorities, valid)),), shardings, rest, 0)
+        self._status_kernel = jax.jit(lambda state: replay.status(config, _computable(state, shardings)))
 
     # -- properties ---------------------------------------------------------------------------------------------
     @property
@@ -179,8 +192,10 @@ class ExperienceDataPlane:
         """The compiled ingest for one bucket of batch rows, for host-packed rows or a pytree of device arrays."""
         kernel = self._ingest_kernels.get((rows, packed))
         if kernel is None:
-            kernel = jax.jit(functools.partial(replay.ingest, self.config, packed=packed), donate_argnums=(0,),
-                             out_shardings=self._shardings)
+            config, shardings = self.config, self._shardings
+            kernel = jax.jit(lambda state, batch, n: replay.ingest(config, _computable(state, shardings), batch, n,
+                                                                   packed=packed),
+                             donate_argnums=(0,), out_shardings=shardings)
             self._ingest_kernels[(rows, packed)] = kernel
         return kernel
 
@@ -337,6 +352,25 @@ class ExperienceDataPlane:
             self.state = _replace(rest, storage=state.storage)
             self.timeline.record("update", start_time, time.perf_counter())
 
+    # -- placement ----------------------------------------------------------------------------------------------------
+    def replan(self, plan) -> None:
+        """Move the live state to another plan's devices and memory kinds. Every item keeps its id: the shard count
+        must stay (a different count deals items to other shards and slots, i.e. renumbers them; checkpoint and
+        restore onto the new mesh for that). In-flight batches stay valid."""
+        from conduit_jax.placement import PlacementError
+
+        new_mesh = plan.mesh()
+        config = self.config._replace(mesh=new_mesh, axes=tuple(new_mesh.axis_names))
+        _check_plan(plan, config)
+        if config.num_shards != self.num_shards:
+            raise PlacementError(f"replan(): the plan has {config.num_shards} shards, the plane {self.num_shards}; a "
+                                 f"live migration keeps the shard count so no item is renumbered")
+        shardings = plan.shardings(config)
+        with self._changed:
+            self.state = jax.device_put(self.state, shardings)
+            self.config, self.mesh, self.plan, self._shardings = config, new_mesh, plan, shardings
+            self._build_kernels()
+
     # -- policy version ---------------------------------------------------------------------------------------------
     def set_policy_version(self, version: int) -> None:
         """Tell the plane the learner's current policy version (it never goes back). With ``staleness`` set, items
@@ -424,16 +458,28 @@ class _CompileScope:
         return False
 
 
-def _reading_storage(step):
+def _reading_storage(step, shardings, rest_shardings, num_outputs: int):
     """Jit ``step(state, *args) -> (state', *outputs)`` for steps that only read storage: the storage goes in as its
-    own (not donated) argument and does not come out, the rest of the state is donated. Returning the unchanged
-    storage from a jitted function would make XLA copy the whole buffer on every call."""
+    own (not donated) argument and does not come out, the rest of the state is donated and keeps its placement.
+    Returning the unchanged storage from a jitted function would make XLA copy the whole buffer on every call."""
 
     def kernel(storage_state, rest, *args):
-        new_state, *outputs = step(_replace(rest, storage=storage_state), *args)
+        state = _computable(_replace(rest, storage=storage_state), shardings)
+        new_state, *outputs = step(state, *args)
         return (_replace(new_state, storage=None), *outputs)
 
-    return jax.jit(kernel, donate_argnums=(1,))
+    return jax.jit(kernel, donate_argnums=(1,), out_shardings=(rest_shardings,) + (None,) * num_outputs)
+
+
+def _computable(state, shardings):
+    """Inside a kernel: leaves placed in ``pinned_host`` memory moved to ``device`` memory (XLA cannot compute on
+    pinned host memory directly). Leaves in ``device`` or ``unpinned_host`` memory are used where they are."""
+    def move(leaf, sharding):
+        if getattr(sharding, "memory_kind", None) != "pinned_host":
+            return leaf
+        return jax.device_put(leaf, sharding.with_memory_kind("device"))
+
+    return jax.tree_util.tree_map(move, state, shardings)
 
 
 def _checked_priority_update(ids, priorities, capacity: int):
@@ -461,6 +507,17 @@ def _checked_priority_update(ids, priorities, capacity: int):
         raise PriorityError(f"{where}: ids[{i}] = {ids_np[i].tolist()} is not an id of this plane (rows are in "
                             f"[0, {capacity}), generations >= 1)")
     return ids_np.astype(np.int32), prio_np
+
+
+def _check_plan(plan, config: ReplayConfig) -> None:
+    from conduit_jax.placement import Plan
+
+    if not isinstance(plan, Plan):
+        raise ConfigError(f"ExperienceDataPlane(): plan must be a placement.Plan, got {type(plan).__name__}")
+    if plan.capacity != config.capacity or plan.row_bytes != config.layout.row_bytes:
+        raise ConfigError(f"ExperienceDataPlane(): the plan was made for capacity {plan.capacity} with "
+                          f"{plan.row_bytes}-byte rows, this plane has capacity {config.capacity} with "
+                          f"{config.layout.row_bytes}-byte rows; plan for this spec and capacity")
 
 
 def _check_config(config: ReplayConfig, capacity) -> None:
