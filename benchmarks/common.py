@@ -401,10 +401,12 @@ def is_baseline(name: str) -> bool:
     return name.split("[")[0] == BASELINE
 
 
-def headline_baseline(records: list[dict], metric: str) -> Optional[dict]:
-    """The Conduit row a metric's ratios are taken against: the first Conduit contender (the 1-device mesh)."""
+def headline_baseline(records: list[dict], metric: str, group: Optional[str] = None) -> Optional[dict]:
+    """The Conduit row a metric's ratios are taken against: the first Conduit contender (the 1-device mesh) of the
+    same group (workloads too large to hold every contender at once time Conduit against one peer at a time)."""
     for rec in records:
-        if rec.get("metric") == metric and is_baseline(rec["contender"]) and "median_s" in rec:
+        if (rec.get("metric") == metric and is_baseline(rec["contender"]) and "median_s" in rec
+                and rec.get("group") == group):
             return rec
     return None
 
@@ -427,11 +429,11 @@ def timing_record(workload: str, metric: str, contender: str, timings: Timings, 
 
 def add_ratios(records: list[dict]) -> None:
     """``x_over_conduit`` = contender median / Conduit median (>1: Conduit is faster); ``conduit_over_x`` its
-    inverse. Taken per metric against the headline Conduit row of the same run."""
+    inverse. Taken per metric (and group) against the headline Conduit row of the same run."""
     for rec in records:
         if rec.get("record") != "timing":
             continue
-        base = headline_baseline(records, rec["metric"])
+        base = headline_baseline(records, rec["metric"], rec.get("group"))
         if base is None:
             rec["x_over_conduit"] = rec["conduit_over_x"] = None
             continue
@@ -460,7 +462,11 @@ def timing_table(records: list[dict], metric: str, title: str, rate_unit: str) -
     header = (f"{'contender':<34} {'median us':>10} {'p99 us':>9} {'rounds (min-max) us':>20} {rate_unit:>11} "
               f"{'memcpy':>7} {'x/conduit':>9} {'conduit/x':>9} {'1st call s':>10} {'recomp':>6}")
     lines = [title, header, "-" * len(header)]
+    group = None
     for r in rows:
+        if r.get("group") and r["group"] != group:
+            group = r["group"]
+            lines.append(f"  [{group}]")
         rm = r["round_medians_s"]
         ratio = "" if r.get("x_over_conduit") is None else f"{r['x_over_conduit']:.2f}x"
         inverse = "" if r.get("conduit_over_x") is None else f"{r['conduit_over_x']:.2f}x"
@@ -483,8 +489,9 @@ def memory_table(records: list[dict], title: str) -> str:
     for r in rows:
         state = "" if r.get("state_bytes") is None else _fmt_bytes(r["state_bytes"])
         cache = "" if r.get("jit_cache_entries") is None else str(r["jit_cache_entries"])
+        name = r["contender"] + (f" ({r['group']})" if r.get("group") and is_baseline(r["contender"]) else "")
         lines.append(
-            f"{r['contender']:<34} {_fmt_bytes(r['raw_bytes']):>10} {state:>10} {_fmt_bytes(r['rss_delta_bytes']):>10} "
+            f"{name:<34} {_fmt_bytes(r['raw_bytes']):>10} {state:>10} {_fmt_bytes(r['rss_delta_bytes']):>10} "
             f"{r['rss_over_raw']:>8.2f} {_fmt_bytes(r['rss_peak_delta_bytes']):>10} {r['peak_over_raw']:>8.2f} "
             f"{r['fill_s']:>7.2f} {cache:>9}")
     return "\n".join(lines)
@@ -502,6 +509,12 @@ def write_jsonl(path: Path, env: dict, records: list[dict]) -> Path:
     return path
 
 
+def read_jsonl(path: Path) -> tuple[dict, list[dict]]:
+    """(environment, records) of one results file."""
+    lines = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    return (lines[0] if lines else {}), lines[1:]
+
+
 def _json_default(x):
     if isinstance(x, (np.integer,)):
         return int(x)
@@ -510,6 +523,119 @@ def _json_default(x):
     if isinstance(x, np.ndarray):
         return x.tolist()
     return str(x)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Goals (issue 7): each workload states its goals; the run says which are met and by how much the others are missed
+# ------------------------------------------------------------------------------------------------------------------
+@dataclass
+class Goal:
+    """One goal, checked against the records of the run that measured it.
+
+    kinds: ``ratio`` Conduit time / ``peer`` time in the same group (and run) <= ``target``; ``memcpy`` Conduit's
+    fraction of memcpy >= ``target``; ``memory`` Conduit's RSS growth / raw bytes <= ``target``; ``recompiles``
+    Conduit's steady-state compilations == 0. ``contender`` names the Conduit row (default: the headline one)."""
+
+    text: str
+    kind: str
+    metric: Optional[str] = None
+    target: float = 1.0
+    peer: Optional[str] = None
+    contender: Optional[str] = None
+
+
+def _conduit_rows(records, goal: Goal, record: str = "timing") -> list[dict]:
+    """The Conduit rows a goal reads: ``goal.contender`` when named, else the headline Conduit row of each group
+    (timings) or every 1-device Conduit build (memory)."""
+    out = []
+    for r in records:
+        if r.get("record") != record or (record == "timing" and r.get("metric") != goal.metric):
+            continue
+        if goal.contender is not None:
+            if r["contender"] == goal.contender:
+                out.append(r)
+        elif record == "timing":
+            if r is headline_baseline(records, r["metric"], r.get("group")):
+                out.append(r)
+        elif r["contender"].startswith(BASELINE + "[1dev"):
+            out.append(r)
+    return out
+
+
+def evaluate_goals(records: list[dict], goals: list[Goal], workload: str) -> list[dict]:
+    """One ``goal`` record per goal: the measured value, the target, whether it is met and the margin (``by``: the
+    factor by which the value is on the wrong side of the target, 1.0 when met exactly)."""
+    out = []
+    for goal in goals:
+        value, detail = None, ""
+        if goal.kind == "ratio":
+            peer = [r for r in records if r.get("record") == "timing" and r.get("metric") == goal.metric
+                    and r["contender"] == goal.peer and r.get("conduit_over_x") is not None]
+            if peer:
+                value = peer[0]["conduit_over_x"]
+                base = headline_baseline(records, goal.metric, peer[0].get("group"))
+                detail = (f"conduit {base['median_s'] * 1e6:.1f} us vs {goal.peer} {peer[0]['median_s'] * 1e6:.1f} us"
+                          if base else "")
+        elif goal.kind == "memcpy":
+            rows = _conduit_rows(records, goal)
+            if rows:
+                value = float(np.median([r["frac_memcpy"] for r in rows]))
+                detail = f"median of {len(rows)} Conduit measurement(s); " + ", ".join(
+                    f"{r['frac_memcpy'] * 100:.1f}%" for r in rows)
+        elif goal.kind == "memory":
+            rows = _conduit_rows(records, goal, "memory")
+            if rows:
+                value = max(r["rss_over_raw"] for r in rows)
+                detail = "largest of " + ", ".join(f"{r['rss_over_raw']:.3f}" for r in rows)
+        elif goal.kind == "recompiles":
+            rows = _conduit_rows(records, goal)
+            if rows:
+                value = float(sum(r.get("recompiles") or 0 for r in rows))
+                detail = f"over {len(rows)} timed Conduit metric(s)"
+        if value is None:
+            out.append({"record": "goal", "workload": workload, "goal": goal.text, "kind": goal.kind, "value": None,
+                        "target": goal.target, "met": None, "detail": "not measured in this run"})
+            continue
+        lower_is_better = goal.kind in ("ratio", "memory", "recompiles")
+        met = value <= goal.target if lower_is_better else value >= goal.target
+        if goal.kind == "recompiles":
+            by = None
+        elif lower_is_better:
+            by = value / goal.target
+        else:
+            by = goal.target / value if value > 0 else float("inf")
+        out.append({"record": "goal", "workload": workload, "goal": goal.text, "kind": goal.kind, "metric": goal.metric,
+                    "peer": goal.peer, "value": value, "target": goal.target, "met": met, "by": by,
+                    "detail": detail})
+    return out
+
+
+def attach_goals(path: Path, goals: list[Goal], workload: str) -> list[dict]:
+    """Evaluate ``goals`` on a results file written without them (W1/W2's scripts) and append the goal records to it
+    (replacing earlier ones). Returns the goal records."""
+    env, records = read_jsonl(path)
+    records = [r for r in records if r.get("record") != "goal"]
+    goal_records = evaluate_goals(records, goals, workload)
+    write_jsonl(path, env, records + goal_records)
+    return goal_records
+
+
+def goal_lines(goal_records: list[dict]) -> str:
+    lines = []
+    for g in goal_records:
+        if g["met"] is None:
+            lines.append(f"  [ -- ] {g['goal']}: not measured in this run")
+            continue
+        kind, value = g["kind"], g["value"]
+        shown = (f"{value:.2f}x" if kind == "ratio" else f"{value * 100:.1f}% of memcpy" if kind == "memcpy"
+                 else f"{value:.3f}x raw" if kind == "memory" else f"{value:.0f}")
+        verdict = "MET " if g["met"] else "MISS"
+        margin = ""
+        if not g["met"] and g.get("by") is not None:
+            margin = (f" (missed by {(g['by'] - 1) * 100:.0f}%: {g['by']:.2f}x the target)" if kind != "memcpy" else
+                      f" (missed by {(g['target'] - value) * 100:.1f} points)")
+        lines.append(f"  [{verdict}] {g['goal']}: {shown}{margin}" + (f"; {g['detail']}" if g.get("detail") else ""))
+    return "\n".join(lines)
 
 
 @dataclass
@@ -527,7 +653,7 @@ class Settings:
     @classmethod
     def for_run(cls, quick: bool, capacity: Optional[int] = None, rounds: Optional[int] = None) -> "Settings":
         if quick:
-            s = cls(capacity=20_000, rounds=3, sample_reps=30, add_reps=10, quick=True)
+            s = cls(capacity=20_000, rounds=2, sample_reps=15, add_reps=6, quick=True)
         else:
             s = cls(capacity=1_000_000, rounds=20, sample_reps=250, add_reps=50)
         if capacity is not None:
@@ -542,7 +668,10 @@ class Settings:
 # ------------------------------------------------------------------------------------------------------------------
 @dataclass
 class Metric:
-    """One timed operation. ``make_op(contender, pools)`` returns a zero-argument callable doing one call."""
+    """One timed operation. ``make_op(contender, pools)`` returns a zero-argument callable doing one call.
+
+    ``bytes_per_call`` overrides ``items_per_call x item bytes`` (what "% of memcpy" divides by), for operations that
+    move more than the items they deliver (W4's iteration writes the rollout once and reads it four times)."""
 
     name: str
     title: str
@@ -552,6 +681,8 @@ class Metric:
     applies: Callable[[Any], bool] = lambda c: True
     reps: int = 100
     first_from_fill: bool = False  # its first call (and compile) happened while filling: report that one
+    bytes_per_call: Optional[int] = None
+    extra: dict = field(default_factory=dict)  # copied into each timing record
 
 
 @dataclass
@@ -564,6 +695,20 @@ class Entry:
     derived: bool = False
 
 
+@dataclass
+class Group:
+    """Contenders that exist and are timed together. Workloads whose buffers are too large to hold every contender
+    at once (W3: 5.6 GB per contender at 100k Atari frames) run Conduit against one peer at a time: each group is
+    built, filled, timed in interleaved rounds and released before the next, and its ratios are taken against the
+    Conduit row of the same group. ``keep`` names contenders carried into the next group instead of being released
+    (the next group lists them again and reuses them: no second fill). ``metrics`` None: the workload's metrics."""
+
+    label: str
+    entries: list[Entry]
+    metrics: Optional[list[Metric]] = None
+    keep: tuple[str, ...] = ()
+
+
 _T0 = time.perf_counter()
 
 
@@ -571,10 +716,39 @@ def log_line(msg: str) -> None:
     print(f"[{time.perf_counter() - _T0:6.1f}s] {msg}", flush=True)
 
 
+def mem_available_bytes() -> Optional[int]:
+    """MemAvailable of /proc/meminfo (memory the kernel can hand out without swapping), or None."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def release_all(contenders) -> None:
+    """Free contenders' buffers now: each drops (JAX: deletes) its arrays, then a full collection, frozen objects
+    included (``trim_memory`` freezes survivors, which would otherwise keep reference cycles alive)."""
+    for c in contenders:
+        try:
+            c.release()
+        except Exception as exc:  # pragma: no cover - releasing must never fail a run
+            log_line(f"   release of {getattr(c, 'name', c)} failed: {exc}")
+    gc.unfreeze()
+    trim_memory()
+
+
 def run_workload(workload: str, description: str, spec: dict, settings: Settings, entries: list[Entry],
                  metrics: list[Metric], *, pools: dict, notes: Optional[dict] = None,
-                 out_path: Optional[Path] = None) -> list[dict]:
-    """Build, fill, time and report one workload. Returns the records (also written as JSON lines)."""
+                 out_path: Optional[Path] = None, groups: Optional[list[Group]] = None,
+                 goals: Optional[list[Goal]] = None, env_extra: Optional[dict] = None,
+                 memory_headroom: float = 1.25) -> list[dict]:
+    """Build, fill, time and report one workload. Returns the records (also written as JSON lines).
+
+    Without ``groups`` every entry is built and all are timed together (one group). Before each build the free
+    memory is checked: a contender whose buffer (``memory_headroom`` x raw bytes + 512 MiB) does not fit in
+    MemAvailable is reported unavailable instead of pushing a shared machine into the OOM killer."""
     from benchmarks import peers
 
     configure_runtime()
@@ -582,122 +756,178 @@ def run_workload(workload: str, description: str, spec: dict, settings: Settings
     notes = dict(notes or {})
     item = peers.item_bytes(spec)
     raw = settings.capacity * item
-    meter = MemcpyMeter()
-    meter.measure(5)
+    # a smoke run copies 64 MiB (still 4x the 32 MiB L3 of this host, source and destination together 8x)
+    meter = MemcpyMeter(64 << 20 if settings.quick else 256 << 20)
+    meter.measure(3 if settings.quick else 5)
     log = CompileLog()
     log_line(f"== {workload}: {description}")
     log_line(f"   capacity {settings.capacity:,}, item {item} B, raw {raw / 2**20:.1f} MiB; memcpy "
              f"{meter.bytes_per_s / 1e9:.2f} GB/s (np.copyto of {meter.nbytes >> 20} MiB); rounds {settings.rounds}")
+    grouped = groups is not None
+    if groups is None:
+        groups = [Group("", entries, metrics)]
 
-    built: dict[str, Any] = {}
     unavailable: dict[str, str] = {}
-    memory: dict[str, dict] = {}
+    memory_records: list[dict] = []
+    measured = []  # (metric, name, timings, extra) until the last memcpy reading is in
+    first_calls: dict[tuple[str, str], float] = {}  # (contender, metric) -> first call s (carried contenders)
+    first_compiles: dict[tuple[str, str], CompileStats] = {}
     chunks = pools["chunks"]
-    for entry in entries:
-        if entry.derived:
+    carried: dict[str, Any] = {}
+    fill_first: dict[str, float] = {}
+    for group in groups:
+        gname = group.label or None
+        if grouped:
+            log_line(f"   -- group {group.label}")
+        built: dict[str, Any] = {}
+        for entry in group.entries:
+            if entry.label in carried:
+                built[entry.label] = carried.pop(entry.label)
+                continue
+            if entry.derived:
+                try:
+                    c = entry.make(built)
+                except peers.Unavailable as exc:
+                    unavailable[entry.label] = str(exc)
+                    log_line(f"   {entry.label}: UNAVAILABLE: {exc}")
+                    continue
+                c.name = entry.label
+                built[entry.label] = c
+                continue
+            free = mem_available_bytes()
+            need = memory_headroom * raw + (512 << 20)
+            if free is not None and free < need:
+                why = (f"not built: {free / 2**30:.1f} GiB available, its buffer needs ~{need / 2**30:.1f} GiB "
+                       f"({memory_headroom} x raw + 512 MiB); rerun with a smaller --capacity")
+                unavailable[entry.label] = why
+                log_line(f"   {entry.label}: SKIPPED: {why}")
+                continue
+            start = time.perf_counter()
             try:
-                c = entry.make(built)
+                with RssMonitor() as mon:
+                    with log.phase(entry.label, "construct"):
+                        c = entry.make()
+                    c.name = entry.label
+                    prepared = [c.prepare(b) for b in chunks]
+                    first_add = time_first_call(lambda: c.add(prepared[0]), log, entry.label, "fill/first")
+                    written = settings.chunk
+                    fill_start = time.perf_counter()
+                    with log.phase(entry.label, "fill"):
+                        i = 1
+                        while written < settings.capacity:
+                            c.add(prepared[i % len(prepared)])
+                            written += settings.chunk
+                            i += 1
+                    fill_s = time.perf_counter() - fill_start
             except peers.Unavailable as exc:
                 unavailable[entry.label] = str(exc)
                 log_line(f"   {entry.label}: UNAVAILABLE: {exc}")
                 continue
-            c.name = entry.label
             built[entry.label] = c
-            continue
-        start = time.perf_counter()
-        try:
-            with RssMonitor() as mon:
-                with log.phase(entry.label, "construct"):
-                    c = entry.make()
-                c.name = entry.label
-                prepared = [c.prepare(b) for b in chunks]
-                first_add = time_first_call(lambda: c.add(prepared[0]), log, entry.label, "fill/first")
-                written = settings.chunk
-                fill_start = time.perf_counter()
-                with log.phase(entry.label, "fill"):
-                    i = 1
-                    while written < settings.capacity:
-                        c.add(prepared[i % len(prepared)])
-                        written += settings.chunk
-                        i += 1
-                fill_s = time.perf_counter() - fill_start
-        except peers.Unavailable as exc:
-            unavailable[entry.label] = str(exc)
-            log_line(f"   {entry.label}: UNAVAILABLE: {exc}")
-            continue
-        built[entry.label] = c
-        c._prepared = prepared
-        memory[entry.label] = {
-            "record": "memory", "workload": workload, "contender": entry.label,
-            "raw_bytes": raw, "state_bytes": c.state_bytes(),
-            "rss_delta_bytes": mon.delta, "rss_peak_delta_bytes": mon.peak_delta,
-            "rss_over_raw": mon.delta / raw, "peak_over_raw": mon.peak_delta / raw,
-            "fill_s": fill_s, "fill_items_per_s": (written - settings.chunk) / max(fill_s, 1e-9),
-            "first_add_s": first_add, "setup_s": time.perf_counter() - start,
-            "construct_compile": vars(log.get(entry.label, "construct")),
-            **{f"note_{k}": v for k, v in c.notes().items()},
-        }
-        log_line(f"   built {entry.label}: filled {written:,} items in {fill_s:.2f} s, first add {first_add:.3f} s, "
-                 f"RSS +{mon.delta / 2**20:.0f} MiB (peak +{mon.peak_delta / 2**20:.0f} MiB)")
+            c._prepared = prepared
+            fill_first[entry.label] = first_add
+            memory_records.append({
+                "record": "memory", "workload": workload, "contender": entry.label,
+                **({"group": gname} if grouped else {}),
+                "raw_bytes": raw, "state_bytes": c.state_bytes(),
+                "rss_delta_bytes": mon.delta, "rss_peak_delta_bytes": mon.peak_delta,
+                "rss_over_raw": mon.delta / raw, "peak_over_raw": mon.peak_delta / raw,
+                "fill_s": fill_s, "fill_items_per_s": (written - settings.chunk) / max(fill_s, 1e-9),
+                "first_add_s": first_add, "setup_s": time.perf_counter() - start,
+                "construct_compile": vars(log.get(entry.label, "construct")),
+                **{f"note_{k}": v for k, v in c.notes().items()},
+            })
+            log_line(f"   built {entry.label}: filled {written:,} items in {fill_s:.2f} s, first add {first_add:.3f} s"
+                     f", RSS +{mon.delta / 2**20:.0f} MiB (peak +{mon.peak_delta / 2**20:.0f} MiB)")
 
-    measured = []  # (metric, name, timings, extra) until the last memcpy reading is in
-    for metric in metrics:
-        ops = {name: metric.make_op(c, pools) for name, c in built.items() if metric.applies(c)}
-        if not ops:
-            continue
-        first = {}
-        first_phase = "fill/first" if metric.first_from_fill else f"{metric.name}/first"
-        for name, op in ops.items():  # first call apart: tracing, compilation, first touch
-            if metric.first_from_fill and name in memory:
-                first[name] = memory[name]["first_add_s"]
-            else:
-                first[name] = time_first_call(op, log, name, first_phase)
-        log_line(f"   timing {metric.name}: {len(ops)} contenders x {settings.rounds} rounds x {metric.reps} calls")
-        timings = interleaved(ops, rounds=settings.rounds, reps=metric.reps, log=log, phase=f"{metric.name}/steady")
+        suffix = f"@{group.label}" if grouped else ""
+        for metric in (group.metrics if group.metrics is not None else metrics):
+            ops = {name: metric.make_op(c, pools) for name, c in built.items() if metric.applies(c)}
+            if not ops:
+                continue
+            first_phase = "fill/first" if metric.first_from_fill else f"{metric.name}/first"
+            for name, op in ops.items():  # first call apart: tracing, compilation, first touch
+                key = (name, metric.name)
+                if key in first_calls:
+                    continue  # a carried contender: its first call was in an earlier group
+                if metric.first_from_fill and name in fill_first:
+                    first_calls[key] = fill_first[name]
+                else:
+                    first_calls[key] = time_first_call(op, log, name, first_phase)
+                first_compiles[key] = log.get(name, first_phase)
+            log_line(f"   timing {metric.name}: {len(ops)} contenders x {settings.rounds} rounds x {metric.reps} "
+                     f"calls")
+            steady_phase = f"{metric.name}/steady{suffix}"
+            timings = interleaved(ops, rounds=settings.rounds, reps=metric.reps, log=log, phase=steady_phase)
+            if not settings.quick:  # a smoke run reads memcpy at the start and the end only
+                meter.measure(3)
+            for name, t in timings.items():
+                c = built[name]
+                compiled = first_compiles[(name, metric.name)]
+                steady = log.get(name, steady_phase, steady_phase + "-warmup")
+                measured.append((metric, name, t, dict(
+                    **({"group": gname} if grouped else {}),
+                    first_call_s=first_calls[(name, metric.name)],
+                    compile_s=compiled.seconds if c.is_jax else None,
+                    compiles=compiled.compiles if c.is_jax else None,
+                    recompiles=steady.compiles if c.is_jax else None,
+                    jit_cache_entries=c.jit_cache_entries(),
+                    rate_unit=metric.rate_unit,
+                    **metric.extra,
+                )))
+        for rec in memory_records:
+            if rec["contender"] in built and "jit_cache_entries" not in rec:
+                rec["jit_cache_entries"] = built[rec["contender"]].jit_cache_entries()
+        carried = {label: built.pop(label) for label in group.keep if label in built}
+        if grouped or group is groups[-1]:
+            release_all(list(built.values()))
+        built.clear()
+    if carried:
+        release_all(list(carried.values()))
+    if settings.quick:
         meter.measure(3)
-        for name, t in timings.items():
-            c = built[name]
-            compiled = log.get(name, first_phase)
-            steady = log.get(name, f"{metric.name}/steady", f"{metric.name}/steady-warmup")
-            measured.append((metric, name, t, dict(
-                first_call_s=first[name],
-                compile_s=compiled.seconds if c.is_jax else None,
-                compiles=compiled.compiles if c.is_jax else None,
-                recompiles=steady.compiles if c.is_jax else None,
-            )))
+
     bps = meter.bytes_per_s
     records: list[dict] = [
         timing_record(workload, metric.name, name, t, items_per_call=metric.items_per_call,
-                      bytes_per_call=metric.items_per_call * item, memcpy_bps=bps, **extra)
+                      bytes_per_call=metric.bytes_per_call or metric.items_per_call * item, memcpy_bps=bps, **extra)
         for metric, name, t, extra in measured]
-    for name, rec in memory.items():
-        rec["jit_cache_entries"] = built[name].jit_cache_entries()
-        records.append(rec)
+    records.extend(memory_records)
     for label, why in unavailable.items():
         records.append({"record": "unavailable", "workload": workload, "contender": label, "reason": why})
     add_ratios(records)
+    goal_records = evaluate_goals(records, goals or [], workload)
+    records.extend(goal_records)
 
     memcpy = meter.record()
     log_line(f"   memcpy readings: median {bps / 1e9:.2f} GB/s, range {meter.nbytes / memcpy['max_s'] / 1e9:.2f}-"
              f"{meter.nbytes / memcpy['min_s'] / 1e9:.2f} GB/s over {memcpy['readings']} copies")
     env = environment(memcpy, {"workload": workload, "description": description, "settings": vars(settings),
-                               "notes": notes})
+                               "notes": notes, **(env_extra or {})})
     env["load_average_end"] = env["load_average"]
     env["load_average"] = load_start
     path = out_path or RESULTS_DIR / (f"{workload}.quick.jsonl" if settings.quick else f"{workload}.jsonl")
     write_jsonl(path, env, records)
 
     print()
-    for metric in metrics:
-        table = timing_table(records, metric.name, f"{workload} {metric.title}  (memcpy {bps / 1e9:.2f} GB/s; "
-                             f"x/conduit = contender time / conduit[1dev] time)", metric.rate_unit)
-        if table:
-            print(table + "\n")
+    seen = []
+    for group in groups:
+        for metric in (group.metrics if group.metrics is not None else metrics):
+            if metric.name in seen:
+                continue
+            seen.append(metric.name)
+            table = timing_table(records, metric.name, f"{workload} {metric.title}  (memcpy {bps / 1e9:.2f} GB/s; "
+                                 f"x/conduit = contender time / conduit time"
+                                 f"{' of the same group' if grouped else ''})", metric.rate_unit)
+            if table:
+                print(table + "\n")
     print(memory_table(records, f"{workload} memory (raw = capacity x {item} B item; RSS measured around "
                                 f"construct + fill, compile memory included)") + "\n")
     for label, why in unavailable.items():
         print(f"{label}: {why}")
     for key, value in notes.items():
         print(f"note {key}: {value}")
+    if goal_records:
+        print(f"{workload} goals (issue 7):\n{goal_lines(goal_records)}")
     print(f"load average start {env['load_average']} end {env['load_average_end']}; results: {path}")
     return records

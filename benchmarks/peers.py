@@ -95,6 +95,22 @@ class Contender:
     def notes(self) -> dict[str, Any]:
         return {}
 
+    def release(self) -> None:
+        """Drop the buffer now (the driver frees each group of contenders before building the next): JAX arrays
+        are deleted, every other attribute dropped. The contender is unusable afterwards."""
+        _delete_jax_arrays(self.__dict__.get("state"))
+        self.__dict__.clear()
+
+
+def _delete_jax_arrays(tree) -> None:
+    if tree is None:
+        return
+    import jax
+
+    for leaf in jax.tree_util.tree_leaves(tree):
+        if isinstance(leaf, jax.Array) and not leaf.is_deleted():
+            leaf.delete()
+
 
 # ------------------------------------------------------------------------------------------------------------------
 # NumPy ring buffer and NumPy sum-tree PER (our own code)
@@ -162,6 +178,9 @@ class NumpyToJax(Contender):
         out = self._jax.device_put(self.ring.sample(batch_size).data, self._device)
         self._jax.block_until_ready(out)
         return Sampled(out, None, None)
+
+    def release(self) -> None:
+        self.__dict__.clear()  # the ring is the wrapped contender's, released with it
 
 
 class NumpySumTreePER(NumpyRing):
@@ -314,7 +333,9 @@ def _tree_nbytes(tree) -> int:
 
 
 class FlashbaxUniform(Contender):
-    """``fbx.make_item_buffer`` with ``add_sequences=True`` (a chunk of items per add)."""
+    """``fbx.make_item_buffer`` with ``add_sequences=True`` (a chunk of items per add). Flashbax's buffer functions
+    are pure, so another batch size is another ``make_item_buffer(sample_batch_size=...)`` sampling the same state
+    (built and jitted on first use)."""
 
     name = "flashbax"
     is_jax = True
@@ -325,27 +346,36 @@ class FlashbaxUniform(Contender):
             import jax
         except ImportError as exc:
             raise Unavailable(f"flashbax is not installed ({exc})") from None
-        self._jax = jax
+        self._jax, self._fbx = jax, fbx
         self.batch_size = batch_size
+        self.capacity = capacity
         buffer = fbx.make_item_buffer(max_length=capacity, min_length=1, sample_batch_size=batch_size,
                                       add_sequences=True)
         self.state = buffer.init(_example_item(spec))
         self.key = jax.random.key(seed)
+        self._add = jax.jit(buffer.add, donate_argnums=0)
+        self._samplers = {batch_size: self._jit_sample(buffer)}
+        self._sample = self._samplers[batch_size]
+
+    def _jit_sample(self, buffer):
+        jax = self._jax
 
         def sample(state, key):
             key, sub = jax.random.split(key)
             return buffer.sample(state, sub).experience, key
 
-        self._add = jax.jit(buffer.add, donate_argnums=0)
-        self._sample = jax.jit(sample)
+        return jax.jit(sample)
 
     def add(self, batch) -> None:
         self.state = self._add(self.state, batch)
         self._jax.block_until_ready(self.state)
 
     def sample(self, batch_size: int) -> Sampled:
-        assert batch_size == self.batch_size
-        data, self.key = self._sample(self.state, self.key)
+        fn = self._samplers.get(batch_size)
+        if fn is None:
+            fn = self._samplers[batch_size] = self._jit_sample(self._fbx.make_item_buffer(
+                max_length=self.capacity, min_length=1, sample_batch_size=batch_size, add_sequences=True))
+        data, self.key = fn(self.state, self.key)
         self._jax.block_until_ready(data)
         return Sampled(data, None, None)
 
@@ -353,7 +383,7 @@ class FlashbaxUniform(Contender):
         return _tree_nbytes(self.state)
 
     def jit_cache_entries(self) -> Optional[int]:
-        return _jit_cache(self._add, self._sample)
+        return _jit_cache(self._add, *self._samplers.values())
 
 
 class FlashbaxPER(Contender):
@@ -477,7 +507,9 @@ class TorchRLUniform(Contender):
 
     name = "torchrl"
 
-    def __init__(self, spec: Spec, capacity: int, batch_size: int, per: Optional[PER] = None, seed: int = 0):
+    def __init__(self, spec: Spec, capacity: int, batch_size: int, per: Optional[PER] = None, seed: int = 0,
+                 fixed_batch: bool = True):
+        self.fixed_batch = fixed_batch  # False: no batch size in the constructor, rb.sample(batch_size) per call
         status = torchrl_status()
         if not status["torchrl_ok"]:
             raise Unavailable(status["torchrl"])
@@ -492,6 +524,8 @@ class TorchRLUniform(Contender):
         self.batch_size = batch_size
 
     def _make(self, ReplayBuffer, LazyTensorStorage, capacity, batch_size, per):
+        if not self.fixed_batch:
+            return ReplayBuffer(storage=LazyTensorStorage(capacity))
         return ReplayBuffer(storage=LazyTensorStorage(capacity), batch_size=batch_size)
 
     def prepare(self, batch):
@@ -503,6 +537,8 @@ class TorchRLUniform(Contender):
         self.rb.extend(batch)
 
     def sample(self, batch_size: int) -> Sampled:
+        if not self.fixed_batch:
+            return Sampled(self.rb.sample(batch_size), None, None)
         assert batch_size == self.batch_size
         return Sampled(self.rb.sample(), None, None)
 
@@ -528,6 +564,7 @@ class TorchRLPER(TorchRLUniform):
             raise Unavailable("TorchRL PER unavailable: " + status["extension"])
         self.per = per or PER()
         super().__init__(spec, capacity, batch_size, self.per, seed)
+        self.fixed_batch = True
 
     def _make(self, ReplayBuffer, LazyTensorStorage, capacity, batch_size, per):
         from torchrl.data import PrioritizedSampler, TensorDictReplayBuffer
@@ -576,13 +613,14 @@ class Conduit(Contender):
     is_jax = True
 
     def __init__(self, spec: Spec, capacity: int, batch_size: int, per: Optional[PER] = None, seed: int = 0,
-                 devices: int = 1):
+                 devices: int = 1, chunk: int = 1000):
         import jax
 
         from conduit_jax import ExperienceDataPlane, default_mesh, samplers
 
         self._jax = jax
         self.devices = devices
+        self.chunk = chunk
         if devices > jax.device_count():
             raise Unavailable(f"needs {devices} devices, the process has {jax.device_count()} (set XLA_FLAGS="
                               f"--xla_force_host_platform_device_count={devices} before JAX starts)")
@@ -634,4 +672,361 @@ class Conduit(Contender):
 
         config = self.plane.config
         return {"row_bytes": config.layout.row_bytes, "shards": self.plane.num_shards,
-                "ingest_bucket_rows": storage.bucket_size(1000, self.plane.num_shards, config.shard_capacity)}
+                "ingest_bucket_rows": self.plane.num_shards * storage.bucket_size(
+                    self.chunk, self.plane.num_shards, config.shard_capacity),
+                "compile_counts": self.plane.compile_counts()}
+
+    def release(self) -> None:
+        plane = self.__dict__.get("plane")
+        if plane is not None:
+            _delete_jax_arrays(plane.state)
+            plane.__dict__.clear()
+        self.__dict__.clear()
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# W4: the PPO experience path (one rollout in, epochs x minibatches out, every minibatch ready)
+# ------------------------------------------------------------------------------------------------------------------
+class PPOContender(Contender):
+    """A rollout buffer for PPO. ``add(rollout)`` stores a whole rollout (``capacity`` items), ``minibatch()``
+    delivers the next shuffled minibatch (each item once per epoch), ``iterate(rollout)`` is one PPO iteration:
+    ``add`` then ``epochs x (capacity // minibatch)`` minibatches, each ready. ``sample(b)`` is ``minibatch()``."""
+
+    def __init__(self, spec: Spec, capacity: int, minibatch: int, epochs: int, seed: int = 0):
+        self.capacity, self.minibatch_size, self.epochs = capacity, minibatch, epochs
+        self.per_epoch = capacity // minibatch
+
+    def sample(self, batch_size: int) -> Sampled:
+        assert batch_size == self.minibatch_size
+        return Sampled(self.minibatch(), None, None)
+
+    def iterate(self, rollout):
+        self.add(rollout)
+        out = None
+        for _ in range(self.epochs * self.per_epoch):
+            out = self.minibatch()
+        return out
+
+
+class NumpyEpochs(PPOContender):
+    """Per-leaf NumPy arrays of one rollout; per epoch ``rng.permutation(n)``, per minibatch a fancy-index gather
+    of every leaf (CleanRL's loop)."""
+
+    name = "numpy"
+
+    def __init__(self, spec: Spec, capacity: int, minibatch: int, epochs: int, seed: int = 0):
+        super().__init__(spec, capacity, minibatch, epochs, seed)
+        self.data = {name: np.empty((capacity, *shape), dtype) for name, (shape, dtype) in spec.items()}
+        self.rng = np.random.default_rng(seed)
+        self.perm = None
+        self.step = 0
+
+    def add(self, rollout) -> None:
+        for name, arr in self.data.items():
+            np.copyto(arr, rollout[name])
+        self.perm, self.step = None, 0
+
+    def minibatch(self):
+        if self.perm is None or self.step == self.per_epoch:
+            self.perm, self.step = self.rng.permutation(self.capacity), 0
+        idx = self.perm[self.step * self.minibatch_size:(self.step + 1) * self.minibatch_size]
+        self.step += 1
+        return {name: arr[idx] for name, arr in self.data.items()}
+
+    def state_bytes(self) -> int:
+        return sum(a.nbytes for a in self.data.values())
+
+
+class JaxShuffleEpochs(PPOContender):
+    """PureJaxRL's update: the rollout on the device (``jax.device_put``, blocked on), then one jitted call that for
+    each epoch draws ``jax.random.permutation``, gathers every leaf with it and reshapes into minibatches
+    (``lax.scan`` over epochs): all ``epochs x minibatches`` batches come out of one call, as PureJaxRL's nested
+    scans consume them. It has no per-minibatch call (``minibatch()`` is not offered)."""
+
+    name = "jax-shuffle(purejaxrl)"
+    is_jax = True
+
+    def __init__(self, spec: Spec, capacity: int, minibatch: int, epochs: int, seed: int = 0):
+        import jax
+        import jax.numpy as jnp
+        from jax import lax
+
+        super().__init__(spec, capacity, minibatch, epochs, seed)
+        self._jax = jax
+        self.key = jax.random.key(seed)
+        self.state = None
+        per_epoch, n = self.per_epoch, capacity
+
+        def update(batch, key):
+            def epoch(key, _):
+                key, sub = jax.random.split(key)
+                perm = jax.random.permutation(sub, n)
+                shuffled = jax.tree_util.tree_map(lambda x: jnp.take(x, perm, axis=0), batch)
+                return key, jax.tree_util.tree_map(
+                    lambda x: x.reshape(per_epoch, minibatch, *x.shape[1:]), shuffled)
+
+            key, minibatches = lax.scan(epoch, key, None, length=epochs)
+            return minibatches, key
+
+        self._update = jax.jit(update)
+
+    def add(self, rollout) -> None:
+        self.state = self._jax.device_put(rollout)
+        self._jax.block_until_ready(self.state)
+
+    def iterate(self, rollout):
+        self.add(rollout)
+        out, self.key = self._update(self.state, self.key)
+        self._jax.block_until_ready(out)
+        return out
+
+    def state_bytes(self) -> Optional[int]:
+        return None if self.state is None else _tree_nbytes(self.state)
+
+    def jit_cache_entries(self) -> Optional[int]:
+        return _jit_cache(self._update)
+
+
+class TorchRLEpochs(PPOContender):
+    """``ReplayBuffer(LazyTensorStorage(n), sampler=SamplerWithoutReplacement(), batch_size=minibatch)``: ``extend``
+    the rollout, then ``sample()`` per minibatch (TorchRL's PPO tutorial); torch on 1 thread."""
+
+    name = "torchrl"
+
+    def __init__(self, spec: Spec, capacity: int, minibatch: int, epochs: int, seed: int = 0):
+        status = torchrl_status()
+        if not status["torchrl_ok"]:
+            raise Unavailable(status["torchrl"])
+        super().__init__(spec, capacity, minibatch, epochs, seed)
+        torch = import_torch()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            from tensordict import TensorDict
+            from torchrl.data import LazyTensorStorage, ReplayBuffer, SamplerWithoutReplacement
+        torch.manual_seed(seed)
+        self._torch, self._TensorDict = torch, TensorDict
+        self.rb = ReplayBuffer(storage=LazyTensorStorage(capacity), sampler=SamplerWithoutReplacement(),
+                               batch_size=minibatch)
+
+    def prepare(self, batch):
+        n = _num_items(batch)
+        return self._TensorDict({k: self._torch.from_numpy(v) for k, v in batch.items()}, batch_size=[n])
+
+    def add(self, rollout) -> None:
+        self.rb.extend(rollout)
+
+    def minibatch(self):
+        return self.rb.sample()
+
+    def state_bytes(self) -> Optional[int]:
+        return TorchRLUniform.state_bytes(self)
+
+
+class ConduitEpochs(PPOContender):
+    """``ExperienceDataPlane(spec, n, samplers.epochs(minibatch), mesh=default_mesh(1))``: ``ingest`` the rollout
+    (a new epoch starts), then ``sample()`` per minibatch, each blocked on."""
+
+    is_jax = True
+    name = "conduit[1dev]"
+
+    def __init__(self, spec: Spec, capacity: int, minibatch: int, epochs: int, seed: int = 0):
+        import jax
+
+        from conduit_jax import ExperienceDataPlane, default_mesh, samplers
+
+        super().__init__(spec, capacity, minibatch, epochs, seed)
+        self._jax = jax
+        self.plane = ExperienceDataPlane(_conduit_spec(spec), capacity, samplers.epochs(minibatch),
+                                         mesh=default_mesh(1), seed=seed)
+
+    def add(self, rollout) -> None:
+        self.plane.ingest(rollout)
+        self._jax.block_until_ready(self.plane.state)
+
+    def minibatch(self):
+        delivery = self.plane.sample()
+        self._jax.block_until_ready(delivery)
+        return delivery.data
+
+    def state_bytes(self) -> int:
+        return _tree_nbytes(self.plane.state)
+
+    def jit_cache_entries(self) -> Optional[int]:
+        return _jit_cache(self.plane._sample_kernel, *self.plane._ingest_kernels.values())
+
+    def notes(self) -> dict[str, Any]:
+        return {"row_bytes": self.plane.config.layout.row_bytes, "compile_counts": self.plane.compile_counts()}
+
+    def release(self) -> None:
+        Conduit.release(self)
+
+
+class ConduitFusedEpochs(PPOContender):
+    """Conduit's fused path on the same plane as ``ConduitEpochs``: ``ingest`` the rollout, then one jitted call
+    running ``plane.sample_fn()`` ``epochs x minibatches`` times (``lax.scan``) with the state donated, returning
+    every minibatch stacked, as a learner that samples inside its own jitted update would."""
+
+    is_jax = True
+    name = "conduit[fused-jit]"
+
+    def __init__(self, base: ConduitEpochs):
+        import jax
+
+        super().__init__(None, base.capacity, base.minibatch_size, base.epochs)
+        self._jax = jax
+        self.base = base
+        step = base.plane.sample_fn()
+        steps = base.epochs * base.per_epoch
+
+        def fused(state):
+            def body(state, _):
+                state, delivery = step(state)
+                return state, delivery.data
+
+            return jax.lax.scan(body, state, None, length=steps)  # unrolled: 12 s of compile, no faster
+
+        self._fused = jax.jit(fused, donate_argnums=0)
+
+    def add(self, rollout) -> None:
+        self.base.add(rollout)
+
+    def iterate(self, rollout):
+        plane = self.base.plane
+        self.add(rollout)
+        plane.state, out = self._fused(plane.state)
+        self._jax.block_until_ready(out)
+        return out
+
+    def jit_cache_entries(self) -> Optional[int]:
+        return _jit_cache(self._fused)
+
+    def release(self) -> None:
+        self.__dict__.clear()  # the plane is the wrapped contender's
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# W5: sequences of consecutive steps of one environment (recurrent learners)
+# ------------------------------------------------------------------------------------------------------------------
+def time_major_to_streams(batch, streams: int):
+    """A time-major chunk (item ``t * streams + e``) as ``[streams, steps, ...]`` leaves, contiguous."""
+    out = {}
+    for name, x in batch.items():
+        steps = x.shape[0] // streams
+        out[name] = np.ascontiguousarray(x.reshape(steps, streams, *x.shape[1:]).swapaxes(0, 1))
+    return out
+
+
+class NumpySequences(Contender):
+    """Per-leaf NumPy rings laid out per stream, ``[streams, steps, ...]`` (each window is contiguous); ``add`` writes
+    a time-major chunk transposed into every stream's ring; ``sample`` draws (stream, start) uniformly over the
+    windows that do not cross the write cursor and gathers ``arr[stream[:, None], (start[:, None] + arange(L)) %
+    steps]`` for every leaf: one fancy index per leaf, [B, L, ...] out."""
+
+    name = "numpy-windows"
+
+    def __init__(self, spec: Spec, capacity: int, batch_size: int, length: int, streams: int, seed: int = 0):
+        self.streams, self.length = streams, length
+        self.steps = capacity // streams
+        self.data = {name: np.empty((streams, self.steps, *shape), dtype) for name, (shape, dtype) in spec.items()}
+        self.cursor = self.filled = 0
+        self.rng = np.random.default_rng(seed)
+        self.offsets = np.arange(length)
+
+    def prepare(self, batch):
+        return time_major_to_streams(batch, self.streams)
+
+    def add(self, batch) -> None:
+        t = next(iter(batch.values())).shape[1]
+        start, cap = self.cursor, self.steps
+        head = min(t, cap - start)
+        for name, arr in self.data.items():
+            src = batch[name]
+            arr[:, start:start + head] = src[:, :head]
+            if head < t:
+                arr[:, :t - head] = src[:, head:]
+        self.cursor = (start + t) % cap
+        self.filled = min(self.filled + t, cap)
+
+    def sample(self, batch_size: int) -> Sampled:
+        windows = self.filled - self.length + 1
+        stream = self.rng.integers(0, self.streams, batch_size)
+        first = (self.cursor - self.filled) % self.steps  # oldest stored step
+        start = (first + self.rng.integers(0, windows, batch_size)) % self.steps
+        idx = (start[:, None] + self.offsets[None, :]) % self.steps
+        return Sampled({name: arr[stream[:, None], idx] for name, arr in self.data.items()}, None, None)
+
+    def state_bytes(self) -> int:
+        return sum(a.nbytes for a in self.data.values())
+
+
+class FlashbaxTrajectory(Contender):
+    """``fbx.make_trajectory_buffer(add_batch_size=streams, sample_sequence_length=L, period=1, ...)``: state
+    ``[streams, steps, ...]``; chunks are transposed to ``[streams, steps, ...]`` outside the timing; ``add``
+    jitted with the state donated, ``sample`` jitted with the key carried; [B, L, ...] out."""
+
+    name = "flashbax-trajectory"
+    is_jax = True
+
+    def __init__(self, spec: Spec, capacity: int, batch_size: int, length: int, streams: int, seed: int = 0):
+        try:
+            import flashbax as fbx
+            import jax
+        except ImportError as exc:
+            raise Unavailable(f"flashbax is not installed ({exc})") from None
+        self._jax = jax
+        self.streams = streams
+        buffer = fbx.make_trajectory_buffer(add_batch_size=streams, sample_batch_size=batch_size,
+                                            sample_sequence_length=length, period=1, min_length_time_axis=length,
+                                            max_length_time_axis=capacity // streams)
+        self.state = buffer.init(_example_item(spec))
+        self.key = jax.random.key(seed)
+
+        def sample(state, key):
+            key, sub = jax.random.split(key)
+            return buffer.sample(state, sub).experience, key
+
+        self._add = jax.jit(buffer.add, donate_argnums=0)
+        self._sample = jax.jit(sample)
+
+    def prepare(self, batch):
+        return time_major_to_streams(batch, self.streams)
+
+    def add(self, batch) -> None:
+        self.state = self._add(self.state, batch)
+        self._jax.block_until_ready(self.state)
+
+    def sample(self, batch_size: int) -> Sampled:
+        data, self.key = self._sample(self.state, self.key)
+        self._jax.block_until_ready(data)
+        return Sampled(data, None, None)
+
+    def state_bytes(self) -> int:
+        return _tree_nbytes(self.state)
+
+    def jit_cache_entries(self) -> Optional[int]:
+        return _jit_cache(self._add, self._sample)
+
+
+class ConduitSequences(Conduit):
+    """``ExperienceDataPlane(spec, capacity, samplers.sequences(B, L, streams, pad=pad), mesh=default_mesh(1))``;
+    time-major chunks through ``ingest``, ``sample()`` -> data [B, L, ...] (and ``mask`` [B, L] with ``pad``)."""
+
+    def __init__(self, spec: Spec, capacity: int, batch_size: int, length: int, streams: int, seed: int = 0,
+                 pad: bool = True, chunk: int = 1024):
+        import jax
+
+        from conduit_jax import ExperienceDataPlane, default_mesh, samplers
+
+        self._jax = jax
+        self.devices, self.chunk = 1, chunk
+        self.prioritized = False
+        self.name = "conduit[1dev]"
+        self.plane = ExperienceDataPlane(_conduit_spec(spec), capacity,
+                                         samplers.sequences(batch_size, length, streams, pad=pad),
+                                         mesh=default_mesh(1), seed=seed)
+        self.batch_size = batch_size
+
+    def sample(self, batch_size: int) -> Sampled:
+        delivery = self.plane.sample()
+        self._jax.block_until_ready(delivery)
+        return Sampled(delivery.data, delivery.ids, delivery.mask)

@@ -1,14 +1,19 @@
-"""Run the benchmark suite: ``python -m benchmarks.run [--quick] [--only w1,w2] [--emulated-mesh]``.
+"""Run the benchmark suite: ``python -m benchmarks.run [--quick] [--only w1,w3] [--emulated-mesh]``.
 
-  --quick          small capacity (20,000) and few rounds: a CI smoke run, well under a minute on this host; writes
-                   benchmarks/results/<workload>.quick.jsonl so it never replaces a full run's results
-  --only w1,w2     the workloads to run (default: all)
-  --emulated-mesh  give the process 8 emulated CPU devices (XLA_FLAGS) so Conduit also runs on the 8-device mesh:
-                   a correctness configuration, slower on a 2-core host; the headline row stays on 1 device
-  --capacity N, --rounds R   override the sizes
+  --quick          every workload small and few rounds: a CI smoke run, well under a minute on this host; writes
+                   benchmarks/results/<workload>.quick.jsonl (and .quick.png) so it never replaces a full run's results
+  --only w1,w3     the workloads to run (default: all, w1..w6)
+  --emulated-mesh  give the process 8 emulated CPU devices (XLA_FLAGS) so Conduit also runs on the 8-device mesh in
+                   W1/W2: a correctness configuration, slower on a 2-core host; the headline row stays on 1 device
+  --capacity N, --rounds R   override the sizes of every selected workload (W4's rollout size is fixed)
+  --no-plots       skip the PNG charts (benchmarks/plots.py; needs matplotlib)
 
-Each workload prints its tables and writes benchmarks/results/<workload>.jsonl (environment line first).
-The exit status is non-zero when a workload fails (a contender that cannot run here is reported, not a failure).
+Workloads: w1 SAC uniform, w2 SAC PER, w3 Atari frames (batch 256 and 32), w4 PPO epochs, w5 sequences of 32 steps,
+w6 W1 on 1/2/4/8 emulated devices (run in a subprocess with XLA_FLAGS unless this process was started with 8 devices,
+e.g. ``--only w6`` or ``--emulated-mesh``). Each workload prints its tables and goals and writes
+benchmarks/results/<workload>.jsonl (environment line first). Full sizes take several minutes per workload on 2 cores:
+run them one at a time (``--only``) on a shared machine. The exit status is non-zero when a workload fails (a
+contender that cannot run here is reported, not a failure).
 """
 
 from __future__ import annotations
@@ -19,44 +24,100 @@ import sys
 import time
 import traceback
 
-WORKLOADS = ("w1", "w2")
+WORKLOADS = ("w1", "w2", "w3", "w4", "w5", "w6")
+DEVICE_FLAG = "--xla_force_host_platform_device_count=8"
+
+
+def w12_goals():
+    """Issue 7's goals for W1 and W2, whose scripts predate the goal records: checked here after they run."""
+    from benchmarks.common import Goal
+
+    return {
+        "w1": [Goal("W1 sample b256 <= 1.0x NumPy", "ratio", "sample_b256", 1.0, peer="numpy"),
+               Goal("W1 add (chunks of 1,000) >= NumPy's rows/s (time <= 1.0x)", "ratio", "add_chunk1000", 1.0,
+                    peer="numpy"),
+               Goal("W1 memory <= 1.05x raw", "memory", None, 1.05),
+               Goal("W1 zero recompiles after warm-up (sample b256)", "recompiles", "sample_b256", 0)],
+        "w2": [Goal("W2 PER sample + update <= 1.0x cpprb", "ratio", "per_cycle_b256", 1.0, peer="cpprb-per"),
+               Goal("W2 memory <= 1.05x raw", "memory", None, 1.05),
+               Goal("W2 zero recompiles after warm-up (PER step)", "recompiles", "per_cycle_b256", 0)],
+    }
+
+
+def _backend_started() -> bool:
+    """Whether a JAX backend already runs in this process (importing jax starts none; the device count can still be
+    set until one does, e.g. under ``conduit bench``, whose CLI imports conduit_jax first)."""
+    if "jax" not in sys.modules:
+        return False
+    try:
+        from jax._src import xla_bridge
+
+        return bool(xla_bridge.backends_are_initialized())
+    except (ImportError, AttributeError):  # private API moved: assume the worst
+        return True
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--only", default=",".join(WORKLOADS), help="comma-separated workloads (w1,w2)")
+    parser.add_argument("--only", default=",".join(WORKLOADS),
+                        help=f"comma-separated workloads ({','.join(WORKLOADS)})")
     parser.add_argument("--emulated-mesh", action="store_true")
     parser.add_argument("--capacity", type=int)
     parser.add_argument("--rounds", type=int)
+    parser.add_argument("--no-plots", action="store_true")
     args = parser.parse_args(argv)
     only = [w.strip().lower() for w in args.only.split(",") if w.strip()]
     unknown = [w for w in only if w not in WORKLOADS]
     if unknown:
         parser.error(f"--only: unknown workload(s) {unknown}; choose from {', '.join(WORKLOADS)}")
 
-    if args.emulated_mesh:  # before JAX initialises its backends (nothing above imports jax)
-        if "jax" in sys.modules:
-            parser.error("--emulated-mesh must be applied before JAX is imported")
-        flag = "--xla_force_host_platform_device_count=8"
-        if flag not in os.environ.get("XLA_FLAGS", ""):
-            os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
+    # 8 emulated devices must be requested before JAX initialises its backends (nothing above imports jax). W6 alone
+    # gets them in-process; with other workloads it runs in a subprocess so their 1-device rows are unaffected.
+    if (args.emulated_mesh or only == ["w6"]) and DEVICE_FLAG.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
+        if _backend_started():
+            if args.emulated_mesh:
+                parser.error("--emulated-mesh must be applied before a JAX backend starts")
+        else:
+            os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + DEVICE_FLAG).strip()
 
-    from benchmarks import bench_w1, bench_w2, common
+    from benchmarks import bench_w1, bench_w2, bench_w3, bench_w4, bench_w5, bench_w6, common
 
     common.configure_runtime()
-    settings = common.Settings.for_run(args.quick, args.capacity, args.rounds)
-    runners = {"w1": bench_w1.run, "w2": bench_w2.run}
+    quick, cap, rounds = args.quick, args.capacity, args.rounds
+    runners = {
+        "w1": lambda: bench_w1.run(common.Settings.for_run(quick, cap, rounds)),
+        "w2": lambda: bench_w2.run(common.Settings.for_run(quick, cap, rounds)),
+        "w3": lambda: bench_w3.run(bench_w3.settings_for(quick, cap, rounds), explicit_capacity=cap is not None),
+        "w4": lambda: bench_w4.run(bench_w4.settings_for(quick, None, rounds)),
+        "w5": lambda: bench_w5.run(bench_w5.settings_for(quick, cap, rounds)),
+        "w6": lambda: bench_w6.run(common.Settings.for_run(quick, cap, rounds)),
+    }
     failed = []
     start = time.perf_counter()
     for name in only:
         try:
-            runners[name](settings)
-        except Exception:
+            runners[name]()
+            if name in ("w1", "w2"):
+                path = common.RESULTS_DIR / (f"{name}.quick.jsonl" if quick else f"{name}.jsonl")
+                goals = common.attach_goals(path, w12_goals()[name], name)
+                print(f"{name} goals (issue 7):\n{common.goal_lines(goals)}")
+        except (Exception, SystemExit):
             traceback.print_exc()
             failed.append(name)
         print()
-    print(f"suite {'(quick) ' if args.quick else ''}finished in {time.perf_counter() - start:.1f} s"
+    if not args.no_plots:
+        try:
+            from benchmarks import plots
+
+            written = plots.make_plots(only, quick=quick)
+            print("plots: " + (", ".join(str(p) for p in written) if written else "none written"))
+        except ImportError as exc:
+            print(f"plots skipped: {exc} (pip install matplotlib, or the bench extra)")
+        except Exception:
+            traceback.print_exc()
+            failed.append("plots")
+    print(f"suite {'(quick) ' if quick else ''}finished in {time.perf_counter() - start:.1f} s"
           + (f"; FAILED: {', '.join(failed)}" if failed else ""))
     return 1 if failed else 0
 

@@ -1,4 +1,5 @@
-"""The ``conduit`` command: ``conduit demo`` now; ``plan``, ``bench`` and ``experiment`` join ``COMMANDS`` later.
+"""The ``conduit`` command: ``conduit demo`` and ``conduit bench`` now; ``plan`` and ``experiment`` join ``COMMANDS``
+later.
 
 Each subcommand is a ``Command(name, help, add_arguments, run)``: ``add_arguments`` fills its argparse sub-parser and
 ``run(args) -> exit status`` does the work. Nothing here touches a JAX backend before ``configure_devices`` has run, so
@@ -100,9 +101,91 @@ def _run_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+# ------------------------------------------------------------------------------------------------------------------
+# conduit bench
+# ------------------------------------------------------------------------------------------------------------------
+_BENCH_WORKLOADS = "w1,w2,w3,w4,w5,w6"
+
+
+def _bench_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quick", action="store_true",
+                        help="every workload small and few rounds (CI smoke run, well under a minute)")
+    parser.add_argument("--only", default=None, help=f"comma-separated workloads (default: all, {_BENCH_WORKLOADS})")
+    parser.add_argument("--emulated-mesh", action="store_true",
+                        help="also run Conduit on 8 emulated CPU devices in W1/W2 (a correctness configuration)")
+    parser.add_argument("--capacity", type=_positive_int, default=None, help="override each workload's capacity")
+    parser.add_argument("--rounds", type=_positive_int, default=None, help="override the interleaved rounds")
+    parser.add_argument("--no-plots", action="store_true", help="skip the PNG charts")
+    parser.add_argument("--gpu", action="store_true",
+                        help="run benchmarks/gpu.py instead: W1-W3 with the state in device, pinned_host and "
+                             "unpinned_host memory (for a GPU; --quick smoke-tests it on CPU)")
+
+
+def _import_benchmarks(module: str):
+    """``benchmarks.<module>`` of an installed suite, else of ``./benchmarks`` (a Conduit-JAX checkout). The suite is
+    not part of the conduit-jax package: returns (module, note) with a note saying where it was found, or (None,
+    reason)."""
+    import importlib
+    from pathlib import Path
+
+    def _ours(mod) -> bool:
+        return callable(getattr(mod, "main", None)) and Path(getattr(mod, "__file__", "")).parent.name == "benchmarks"
+
+    try:
+        mod = importlib.import_module(f"benchmarks.{module}")
+        if _ours(mod):
+            return mod, None
+    except ImportError:
+        pass
+    here = Path.cwd()
+    if (here / "benchmarks" / "run.py").is_file():
+        for name in [n for n in sys.modules if n == "benchmarks" or n.startswith("benchmarks.")]:
+            del sys.modules[name]  # another package named "benchmarks" may have been imported above
+        sys.path.insert(0, str(here))
+        try:
+            mod = importlib.import_module(f"benchmarks.{module}")
+        except ImportError as exc:
+            return None, f"found {here / 'benchmarks'} but could not import benchmarks.{module}: {exc}"
+        return mod, (f"the benchmark suite is not installed with conduit-jax; using {here / 'benchmarks'} from the "
+                     f"current directory (results go to {here / 'benchmarks' / 'results'})")
+    return None, ("the benchmark suite (benchmarks/) is not part of the installed conduit-jax package and there is no "
+                  f"benchmarks/run.py under the current directory {here}. Run `conduit bench` from the root of a "
+                  "Conduit-JAX checkout (or `python -m benchmarks.run` there), with the bench extra installed: "
+                  "pip install '.[bench]'")
+
+
+def _run_bench(args: argparse.Namespace) -> int:
+    mod, note = _import_benchmarks("gpu" if args.gpu else "run")
+    if mod is None:
+        print(f"conduit bench: error: {note}", file=sys.stderr)
+        return 2
+    if note:
+        print(f"conduit bench: {note}", file=sys.stderr)
+    argv = ["--quick"] if args.quick else []
+    if args.gpu:
+        if args.only:
+            argv += ["--only", args.only]
+        if args.rounds:
+            argv += ["--rounds", str(args.rounds)]
+        return int(mod.main(argv) or 0)
+    if args.only:
+        argv += ["--only", args.only]
+    if args.emulated_mesh:
+        argv.append("--emulated-mesh")
+    if args.capacity:
+        argv += ["--capacity", str(args.capacity)]
+    if args.rounds:
+        argv += ["--rounds", str(args.rounds)]
+    if args.no_plots:
+        argv.append("--no-plots")
+    return int(mod.main(argv) or 0)
+
+
 COMMANDS: tuple[Command, ...] = (
     Command("demo", "run synthetic actors -> the data plane -> a jitted DQN learner, and report what the plane did",
             _demo_arguments, _run_demo),
+    Command("bench", "run the benchmark suite (W1-W6 against NumPy, cpprb, Flashbax, TorchRL) from a checkout's "
+                     "benchmarks/", _bench_arguments, _run_bench),
 )
 
 

@@ -21,7 +21,6 @@ from conduit_jax import storage
 from conduit_jax._pytree import state_dataclass
 from conduit_jax.limits import Limiter, LimiterState, Staleness
 from conduit_jax.samplers import InsertView, Sampler, ShardView
-from conduit_jax.spec import ExperienceSpec
 
 
 @state_dataclass
