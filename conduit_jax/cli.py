@@ -1,4 +1,4 @@
-"""The ``conduit`` command: ``conduit demo`` and ``conduit bench`` now; ``plan`` and ``experiment`` join ``COMMANDS``
+"""The ``conduit`` command: ``conduit demo``, ``conduit bench`` and ``conduit plan``; ``experiment`` joins ``COMMANDS``
 later.
 
 Each subcommand is a ``Command(name, help, add_arguments, run)``: ``add_arguments`` fills its argparse sub-parser and
@@ -181,11 +181,25 @@ def _run_bench(args: argparse.Namespace) -> int:
     return int(mod.main(argv) or 0)
 
 
+def _plan_arguments(parser: argparse.ArgumentParser) -> None:
+    from conduit_jax.placement import planner
+
+    planner.build_parser(parser)
+
+
+def _run_plan(args: argparse.Namespace) -> int:
+    from conduit_jax.placement import planner
+
+    return planner.run_cli(args)
+
+
 COMMANDS: tuple[Command, ...] = (
     Command("demo", "run synthetic actors -> the data plane -> a jitted DQN learner, and report what the plane did",
             _demo_arguments, _run_demo),
     Command("bench", "run the benchmark suite (W1-W6 against NumPy, cpprb, Flashbax, TorchRL) from a checkout's "
                      "benchmarks/", _bench_arguments, _run_bench),
+    Command("plan", "plan where the plane's state lives on a topology (a preset, a JSON file, or this machine) and "
+                    "explain why", _plan_arguments, _run_plan),
 )
 
 
