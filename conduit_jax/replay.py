@@ -143,15 +143,22 @@ def ingest(config: ReplayConfig, state: ReplayState, batch, n, *, packed: bool =
 # ------------------------------------------------------------------------------------------------------------------
 # sample
 # ------------------------------------------------------------------------------------------------------------------
+WIDE_ROW_BYTES = 1024
+
+
 def sample(config: ReplayConfig, state: ReplayState) -> tuple[ReplayState, Delivery]:
     """Draw one batch; returns the new state and the delivery. The new state's storage is ``state.storage`` itself:
     jit callers must not return it (an unchanged buffer returned from a jitted step is copied whole), so the shell's
     kernel returns ``new_state.replace(storage=None)`` and reattaches the storage.
 
-    The batch comes back sharded over the shard axes: shard s holds rows
-    ``[s*B/S, (s+1)*B/S)``. Ids, generations and weights travel in the same packed exchange as the rows."""
+    The batch comes back sharded over the shard axes: shard s holds rows ``[s*B/S, (s+1)*B/S)``."""
     specs = partition_specs(config)
     layout, num_shards, window = config.layout, config.num_shards, config.sampler.window
+    # one shard with wide rows (image frames): each leaf is gathered straight from its words of the ring, so every
+    # byte is copied once. Narrow rows: one gather of whole packed rows (one random access per item) then unpacking,
+    # measured faster for W1-sized items. Several shards: packed rows with ids and weights appended travel in one
+    # reduce-scatter.
+    direct = num_shards == 1 and layout.row_bytes >= WIDE_ROW_BYTES
 
     def per_shard(state: ReplayState):
         st = state.storage
@@ -161,37 +168,42 @@ def sample(config: ReplayConfig, state: ReplayState) -> tuple[ReplayState, Deliv
         if window > 1:  # a window's steps are `streams / S` slots apart in the owner's ring, oldest first
             stride = config.sampler.streams // num_shards
             steps = (slots[:, None] + lax.iota(jnp.int32, window)[None, :] * stride) % config.shard_capacity
-            rows = storage.gather(st.rows, steps).reshape(slots.shape[0], window * layout.row_words)
         else:
-            rows = storage.gather(st.rows, slots)
+            steps = slots
         extra = [view.shard_index * config.shard_capacity + slots,
                  storage.slot_generation(view.cursor, view.laps, slots)]
         if config.sampler.weigh is not None:
             extra.append(lax.bitcast_convert_type(sel.probability.astype(jnp.float32), jnp.int32))
         if sel.keep is not None:
             extra.append(sel.keep.astype(jnp.int32))
-        packed = jnp.concatenate([rows, lax.bitcast_convert_type(jnp.stack(extra, axis=1), jnp.uint32)], axis=1)
-        if sel.owner is not None and num_shards > 1:
+        extra = lax.bitcast_convert_type(jnp.stack(extra, axis=1), jnp.uint32)
+        if direct:
+            return sampler_state, layout.gather_leaves(st.rows, steps), extra
+        rows = storage.gather(st.rows, steps).reshape(slots.shape[0], window * layout.row_words)
+        packed = jnp.concatenate([rows, extra], axis=1)
+        if sel.owner is not None:
             # every shard drew the same global batch; owners keep their rows, a reduce-scatter deals the blocks
             packed = jnp.where((sel.owner == view.shard_index)[:, None], packed, jnp.uint32(0))
             packed = lax.psum_scatter(packed, config.axes, scatter_dimension=0, tiled=True)
-        return sampler_state, packed
+        words = layout.row_words * window
+        data = packed[:, :words]
+        data = layout.unpack(data if window == 1 else data.reshape(-1, window, layout.row_words))
+        return sampler_state, data, packed[:, words:]
 
-    sampler_state, packed = _shard_mapped(config, per_shard, (specs,), (specs.sampler, P(config.axes)))(state)
-    words = layout.row_words * window
-    data = packed[:, :words]
-    data = layout.unpack(data if window == 1 else data.reshape(-1, window, layout.row_words))
-    ids = lax.bitcast_convert_type(packed[:, words:words + 2], jnp.int32)
+    batch_specs = jax.tree_util.tree_map(lambda _: P(config.axes), layout.spec.structs)
+    sampler_state, data, extra = _shard_mapped(config, per_shard, (specs,),
+                                               (specs.sampler, batch_specs, P(config.axes)))(state)
+    ids = lax.bitcast_convert_type(extra[:, :2], jnp.int32)
     weights = mask = None
-    column = words + 2
+    column = 2
     if config.sampler.weigh is not None:
-        probability = lax.bitcast_convert_type(packed[:, column], jnp.float32)
+        probability = lax.bitcast_convert_type(extra[:, column], jnp.float32)
         weights = config.sampler.weigh(sampler_state, probability, size(config, state))
         column += 1
     if config.sampler.mask is not None:
         mask = config.sampler.mask(data)
-    if packed.shape[1] > column:  # the sampler marked draws that are not deliveries
-        keep = packed[:, column] != 0
+    if extra.shape[1] > column:  # the sampler marked draws that are not deliveries
+        keep = extra[:, column] != 0
         mask = keep if mask is None else mask & keep[:, None]
     stale_draws = state.stale_draws
     if config.staleness is not None:

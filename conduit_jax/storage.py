@@ -112,6 +112,14 @@ class RowLayout(NamedTuple):
         leaves = [self._unpack_leaf(rows, i) for i in range(len(self.slots))]
         return jax.tree_util.tree_unflatten(self.spec.treedef, leaves)
 
+    def gather_leaves(self, rows: jax.Array, slots: jax.Array):
+        """The spec's pytree for the items at ``slots`` (any shape), each leaf gathered from its own words only:
+        the slice fuses into the gather, so every byte is copied once (no packed intermediate)."""
+        leaves = [self._unpack_leaf(gather(lax.slice_in_dim(rows, slot.offset, slot.offset + slot.words, axis=1),
+                                           slots), i, offset=0)
+                  for i, slot in enumerate(self.slots)]
+        return jax.tree_util.tree_unflatten(self.spec.treedef, leaves)
+
     def read_leaf(self, rows: jax.Array, name: str, slots: jax.Array) -> jax.Array:
         """Leaf ``name`` of the items at ``slots`` of a shard's rows, reading only that leaf's words."""
         index = self.spec.names.index(name)
