@@ -143,9 +143,6 @@ def ingest(config: ReplayConfig, state: ReplayState, batch, n, *, packed: bool =
 # ------------------------------------------------------------------------------------------------------------------
 # sample
 # ------------------------------------------------------------------------------------------------------------------
-WIDE_ROW_BYTES = 1024
-
-
 def sample(config: ReplayConfig, state: ReplayState) -> tuple[ReplayState, Delivery]:
     """Draw one batch; returns the new state and the delivery. The new state's storage is ``state.storage`` itself:
     jit callers must not return it (an unchanged buffer returned from a jitted step is copied whole), so the shell's
@@ -154,11 +151,10 @@ def sample(config: ReplayConfig, state: ReplayState) -> tuple[ReplayState, Deliv
     The batch comes back sharded over the shard axes: shard s holds rows ``[s*B/S, (s+1)*B/S)``."""
     specs = partition_specs(config)
     layout, num_shards, window = config.layout, config.num_shards, config.sampler.window
-    # one shard with wide rows (image frames): each leaf is gathered straight from its words of the ring, so every
-    # byte is copied once. Narrow rows: one gather of whole packed rows (one random access per item) then unpacking,
-    # measured faster for W1-sized items. Several shards: packed rows with ids and weights appended travel in one
-    # reduce-scatter.
-    direct = num_shards == 1 and layout.row_bytes >= WIDE_ROW_BYTES
+    # one shard: each leaf is gathered straight from its words of the ring, so every byte is copied once (measured
+    # faster than gathering packed rows and unpacking them, for W1 items, PPO rollouts and image frames alike).
+    # Several shards: packed rows with ids and weights appended travel in one reduce-scatter.
+    direct = num_shards == 1
 
     def per_shard(state: ReplayState):
         st = state.storage
@@ -181,7 +177,7 @@ def sample(config: ReplayConfig, state: ReplayState) -> tuple[ReplayState, Deliv
             return sampler_state, layout.gather_leaves(st.rows, steps), extra
         rows = storage.gather(st.rows, steps).reshape(slots.shape[0], window * layout.row_words)
         packed = jnp.concatenate([rows, extra], axis=1)
-        if sel.owner is not None:
+        if sel.owner is not None and num_shards > 1:
             # every shard drew the same global batch; owners keep their rows, a reduce-scatter deals the blocks
             packed = jnp.where((sel.owner == view.shard_index)[:, None], packed, jnp.uint32(0))
             packed = lax.psum_scatter(packed, config.axes, scatter_dimension=0, tiled=True)
