@@ -250,11 +250,13 @@ class ExperienceDataPlane:
         returned state back with ``plane.state = ...``; the host-side checks of ``sample()`` do not run there."""
         return functools.partial(replay.sample, self.config)
 
-    def _apply_due_updates(self) -> None:
-        """Deferred policy: apply, in one kernel call, every queued update reported at a step <= current - k."""
+    def _apply_due_updates(self, everything: bool = False) -> None:
+        """Deferred policy: apply, in one kernel call, every queued update reported at a step <= current - k (all of
+        them with ``everything``)."""
         due = []
         with self._changed:
-            while self._queued_updates and self._queued_updates[0][0] <= self._step - self.schedule.defer:
+            while self._queued_updates and (everything or
+                                            self._queued_updates[0][0] <= self._step - self.schedule.defer):
                 due.append(self._queued_updates.popleft())
         if due:
             self._apply_updates(np.concatenate([ids for _, ids, _ in due]),
@@ -351,6 +353,29 @@ class ExperienceDataPlane:
                 (rest,) = self._update_kernel(state.storage, _replace(state, storage=None), ids_pad, prio_pad, valid)
             self.state = _replace(rest, storage=state.storage)
             self.timeline.record("update", start_time, time.perf_counter())
+
+    # -- checkpoints --------------------------------------------------------------------------------------------------
+    def save(self, directory, **options):
+        """Checkpoint the whole plane asynchronously (see ``checkpoint.save``; returns a handle with ``wait()``).
+
+        Deferred priority updates are applied first, so the checkpoint holds them. A queue's prefetched batches have
+        already left the queue: saving then would lose them, so it is refused until they are delivered."""
+        from conduit_jax import checkpoint
+
+        with self._changed:
+            if self.sampler.consumes and self._in_flight:
+                raise ConfigError(f"save(): {len(self._in_flight)} prefetched {self.sampler.name} batches are in "
+                                  f"flight; deliver() them first (their items have left the queue and a checkpoint "
+                                  f"would lose them)")
+            self._apply_due_updates(everything=True)
+            return checkpoint.save(self, directory, **options)
+
+    @classmethod
+    def restore(cls, directory, **options) -> "ExperienceDataPlane":
+        """A plane rebuilt from a checkpoint, bit-exact, on ``mesh``/``plan`` if given (see ``checkpoint.restore``)."""
+        from conduit_jax import checkpoint
+
+        return checkpoint.restore(directory, **options)
 
     # -- placement ----------------------------------------------------------------------------------------------------
     def replan(self, plan) -> None:
