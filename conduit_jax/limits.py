@@ -6,7 +6,8 @@ timeout) or a ``RateLimitedError``; the data stays with the caller.
 ``sample_to_insert_ratio`` follows Reverb's law: with ``error = inserts * samples_per_insert - samples`` (samples
 counted in items), inserting is allowed while ``error + samples_per_insert <= spi * min_size + error_buffer`` and
 sampling a batch of B while ``error - B >= spi * min_size - error_buffer`` (and the plane holds ``min_size`` items).
-The ratio is kept as an exact fraction p/q, so ``error * q`` is an integer that never drifts. Below ``min_size``
+The ratio and the buffer are kept as exact fractions, so the balance is an integer (in units of 1/D sample) that
+never drifts. Below ``min_size``
 inserts are never limited. A batch ingest is admitted whole when the limiter has room for its first item.
 
 Eligibility of single items (``max_times_sampled``) lives with the samplers that track it (``samplers.prioritized``
@@ -20,6 +21,7 @@ counted, and samplers with a priority index stop drawing it as soon as the versi
 
 from __future__ import annotations
 
+import math
 from fractions import Fraction
 from typing import Callable, NamedTuple
 
@@ -31,7 +33,7 @@ from conduit_jax.errors import ConfigError
 
 @state_dataclass
 class LimiterState:
-    balance: object  # int32[]: (inserts * samples_per_insert - samples) * q, exact
+    balance: object  # int32[]: (inserts * samples_per_insert - samples) * D, exact
 
 
 class Staleness(NamedTuple):
@@ -88,10 +90,13 @@ def sample_to_insert_ratio(samples_per_insert: float, min_size: int, error_buffe
     min_items = _int(min_size, "min_size", where, 1)
     if not isinstance(error_buffer, (int, float)) or isinstance(error_buffer, bool) or not error_buffer >= 0:
         raise ConfigError(f"{where}: error_buffer must be >= 0, got {error_buffer!r}")
+    # everything in units of 1/D sample, D the common denominator of the ratio and the buffer: exact integers
     ratio = Fraction(samples_per_insert).limit_denominator(1000)
-    p, q = ratio.numerator, ratio.denominator
-    low = int(round((ratio * min_items - Fraction(error_buffer)) * q))
-    high = int(round((ratio * min_items + Fraction(error_buffer)) * q))
+    buffer = Fraction(error_buffer).limit_denominator(1000)
+    scale = math.lcm(ratio.denominator, buffer.denominator)
+    p, q = int(ratio * scale), scale  # one insert adds p, one sampled item takes q
+    low = int((ratio * min_items - buffer) * scale)
+    high = int((ratio * min_items + buffer) * scale)
 
     def check(batch: int) -> None:
         # a deadlock needs a balance where neither one insert (+p) nor one batch (-q*batch) fits

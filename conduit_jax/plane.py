@@ -81,10 +81,13 @@ class ExperienceDataPlane:
         self.config = config
         self._shardings = replay.shardings(config) if plan is None else plan.shardings(config)
         self.plan = plan
-        self.state: ReplayState = jax.jit(functools.partial(replay.init, config, seed),
-                                          out_shardings=self._shardings)()
+        self._state: ReplayState = jax.jit(functools.partial(replay.init, config, seed),
+                                           out_shardings=self._shardings)()
+        # the status scalars the shell decides on (size, deliverable, limiter balance), kept in step on the host by
+        # the same arithmetic the kernels do; reading them from the device would wait for every batch in flight.
+        # None: unknown (fresh state assigned from outside), read from the device once.
+        self._counters: Optional[dict[str, Optional[int]]] = None
         self._build_kernels()
-        self._known_size = 0  # a lower bound of the stored item count: it never decreases
         self._compiles: collections.Counter = collections.Counter()  # kernel name -> XLA compilations
         self.timeline = metrics.Timeline()  # wall-clock spans per stage (see metrics.py)
         self._changed = threading.Condition()  # guards state; notified after every ingest and sample
@@ -97,6 +100,7 @@ class ExperienceDataPlane:
         self._depth = self.schedule.depth  # current prefetch depth (moves under the adaptive policy)
         self._step = 0  # deliver() calls so far
         self._last_delivery_end: Optional[float] = None
+        self._smoothed = {"exposed": 0.0, "learner": 0.0}  # exponential averages (s) the adaptive policy reads
 
     def _build_kernels(self) -> None:
         """Compile-on-first-use kernels for the current config and shardings (a replan builds new ones)."""
@@ -112,6 +116,16 @@ class ExperienceDataPlane:
 
     # -- properties ---------------------------------------------------------------------------------------------
     @property
+    def state(self) -> ReplayState:
+        """The whole plane as one pytree (storage, sampler, limiter, counters): what a checkpoint saves."""
+        return self._state
+
+    @state.setter
+    def state(self, value: ReplayState) -> None:
+        with self._changed:
+            self._state = value
+            self._counters = None
+    @property
     def capacity(self) -> int:
         return self.config.capacity
 
@@ -125,7 +139,7 @@ class ExperienceDataPlane:
 
     def __len__(self) -> int:
         with self._changed:
-            return self._status()["size"]
+            return self._known()["size"]
 
     def __repr__(self) -> str:
         return (f"ExperienceDataPlane({self.spec}, capacity={self.capacity}, sampler={self.sampler.name}"
@@ -163,7 +177,8 @@ class ExperienceDataPlane:
                     # compile once per batch size)
                     block, packed = self.config.layout.pack_host(leaves, start, m, rows), True
                 with self._counting_compiles(f"ingest[{rows}{',packed' if packed else ''}]"):
-                    self.state = self._ingest_kernel(rows, packed)(self.state, block, np.int32(m))
+                    self._state = self._ingest_kernel(rows, packed)(self._state, block, np.int32(m))
+            self._count_ingest(n)
             self.timeline.record("ingest", start_time, time.perf_counter())
             self._changed.notify_all()
 
@@ -176,7 +191,7 @@ class ExperienceDataPlane:
         """None if an n-item ingest may run now, else (error type, message)."""
         if not (self.sampler.consumes or self.limiter.limits_inserts):
             return None
-        status = self._status()
+        status = self._known()
         if self.sampler.consumes and status["deliverable"] + n > self.capacity:
             pending = status["deliverable"]
             return CapacityError, (
@@ -210,10 +225,11 @@ class ExperienceDataPlane:
         with self._changed:
             self._wait_until(self._sample_refusal, timeout)
             start_time = time.perf_counter()
-            state = self.state
+            state = self._state
             with self._counting_compiles("sample"):
                 rest, delivery = self._sample_kernel(state.storage, _replace(state, storage=None))
-            self.state = _replace(rest, storage=state.storage)
+            self._state = _replace(rest, storage=state.storage)
+            self._count_sample()
             self.timeline.record("sample", start_time, time.perf_counter())
             self._changed.notify_all()
         return delivery
@@ -229,12 +245,13 @@ class ExperienceDataPlane:
         start = time.perf_counter()
         if self._last_delivery_end is not None:
             self.timeline.record("learner", self._last_delivery_end, start)
+            self._smooth("learner", start - self._last_delivery_end)
         self._apply_due_updates()
         if not self._in_flight:
             self._in_flight.append(self.sample(timeout=timeout))
         delivery = self._in_flight.popleft()
         self._step += 1
-        self._adapt_depth()
+        self._depth = self.schedule.next_depth(self._depth, self._smoothed["exposed"], self._smoothed["learner"])
         while len(self._in_flight) < self._depth and self.can_sample():
             self._in_flight.append(self.sample())
         if self.config.staleness is not None:
@@ -242,7 +259,11 @@ class ExperienceDataPlane:
         jax.block_until_ready(delivery)
         self._last_delivery_end = time.perf_counter()
         self.timeline.record("exposed", start, self._last_delivery_end)
+        self._smooth("exposed", self._last_delivery_end - start)
         return delivery
+
+    def _smooth(self, stage: str, seconds: float, weight: float = 0.1) -> None:
+        self._smoothed[stage] += weight * (seconds - self._smoothed[stage])
 
     def sample_fn(self):
         """The pure sampling step ``state -> (state, Delivery)`` for use inside the learner's own jitted step (the
@@ -258,21 +279,18 @@ class ExperienceDataPlane:
             while self._queued_updates and (everything or
                                             self._queued_updates[0][0] <= self._step - self.schedule.defer):
                 due.append(self._queued_updates.popleft())
-        if due:
-            self._apply_updates(np.concatenate([ids for _, ids, _ in due]),
-                                np.concatenate([prio for _, _, prio in due]))
-
-    def _adapt_depth(self) -> None:
-        if not self.schedule.adaptive:
-            return
-        stages = self.timeline.summary()
-        exposed, learner = stages.get("exposed"), stages.get("learner")
-        if exposed and learner:
-            # more in flight while the learner still waits a noticeable part of its step; fewer when it never does
-            if exposed["median_us"] > 0.1 * learner["median_us"]:
-                self._depth = min(self.schedule.depth, self._depth + 1)
-            elif exposed["p99_us"] < 0.01 * learner["median_us"]:
-                self._depth = max(1, self._depth - 1)
+        checked, rejected = [], None
+        for step, ids, priorities in due:
+            try:
+                checked.append(_checked_priority_update(ids, priorities, self.capacity))
+            except PriorityError as error:  # this update is dropped; the valid ones still apply
+                rejected = rejected or PriorityError(f"{error} (deferred update reported at step {step}, not "
+                                                     f"applied)")
+        if checked:
+            self._apply_updates(np.concatenate([ids for ids, _ in checked]),
+                                np.concatenate([prio for _, prio in checked]))
+        if rejected is not None:
+            raise rejected
 
     def _recheck_staleness(self, delivery: Delivery) -> Delivery:
         """A batch dispatched before a policy-version switch may hold items the new version makes too old."""
@@ -290,13 +308,7 @@ class ExperienceDataPlane:
 
     def _sample_refusal(self):
         sampler, limiter = self.sampler, self.limiter
-        if sampler.deliverable is None and not limiter.limits_samples:
-            # stored items never decrease: once enough were seen, no device read is needed again
-            if self._known_size < max(sampler.min_items, limiter.min_size):
-                self._known_size = self._status()["size"]
-            status = {"size": self._known_size, "deliverable": self._known_size, "limiter_balance": 0}
-        else:
-            status = self._status()
+        status = self._known(need_deliverable=True)
         if status["deliverable"] < sampler.min_items:
             what = {"fifo": "undelivered items", "sequences": "eligible windows"}.get(sampler.name, "stored items")
             return NotEnoughDataError, (
@@ -307,6 +319,38 @@ class ExperienceDataPlane:
             return RateLimitedError, (f"sample(): the rate limiter {limiter.name} admits no batch of "
                                       f"{self.batch_size} now (plane holds {status['size']} items); ingest more first")
         return None
+
+    def _known(self, need_deliverable: bool = False) -> dict[str, Optional[int]]:
+        """The host copy of the status scalars, read from the device only when unknown. A sampler whose deliverable
+        count is not plain arithmetic on inserts and samples (an eligibility index) is read each time it is needed."""
+        if self._counters is None or (need_deliverable and self._counters["deliverable"] is None):
+            status = self._status()
+            self._counters = {key: status[key] for key in ("size", "deliverable", "limiter_balance")}
+        return self._counters
+
+    def _count_ingest(self, n: int) -> None:
+        counters = self._counters
+        if counters is None:
+            return
+        counters["size"] = min(counters["size"] + n, self.capacity)
+        counters["limiter_balance"] = int(self.limiter.on_insert(LimiterState(counters["limiter_balance"]), n).balance)
+        if self.sampler.deliverable is None:
+            counters["deliverable"] = counters["size"]
+        elif self.sampler.consumes:
+            counters["deliverable"] += n
+        else:
+            counters["deliverable"] = None
+
+    def _count_sample(self) -> None:
+        counters = self._counters
+        if counters is None:
+            return
+        counters["limiter_balance"] = int(
+            self.limiter.on_sample(LimiterState(counters["limiter_balance"]), self.batch_size).balance)
+        if self.sampler.consumes:
+            counters["deliverable"] -= self.batch_size
+        elif self.sampler.deliverable is not None:
+            counters["deliverable"] = None
 
     def _wait_until(self, refusal, timeout: Optional[float]) -> None:
         """Wait (holding the condition) until ``refusal()`` is None; raise its error when ``timeout`` runs out."""
@@ -326,17 +370,21 @@ class ExperienceDataPlane:
 
         NaN, infinite or negative priorities, ids of the wrong shape or out of range raise ``PriorityError`` and
         change nothing. An id whose slot has been rewritten since it was delivered is ignored (never applied to the
-        new item) and counted in ``stats()['priority_updates_ignored']``.
+        new item) and counted in ``stats()['priority_updates_ignored']``. Under a ``deferred`` schedule the update
+        is queued and checked when it is applied, k steps later: a bad one raises from that later call, naming the
+        step it was reported at, and is dropped whole.
         """
         if self.sampler.update is None:
             raise ConfigError(f"update_priorities(): the {self.sampler.name} sampler has no priorities; build the "
                               f"plane with samplers.prioritized(...) to use them")
-        ids_np, prio_np = _checked_priority_update(ids, priorities, self.capacity)
         if self.schedule.defer:
+            # queued as given (reading device arrays now would wait for the learner step that computes them);
+            # checked when applied, k steps later
             with self._changed:
-                self._queued_updates.append((self._step, ids_np, prio_np))
+                self._queued_updates.append((self._step, ids, priorities))
+            self._apply_due_updates()
             return
-        self._apply_updates(ids_np, prio_np)
+        self._apply_updates(*_checked_priority_update(ids, priorities, self.capacity))
 
     def _apply_updates(self, ids_np: np.ndarray, prio_np: np.ndarray) -> None:
         m = ids_np.shape[0]
@@ -348,10 +396,10 @@ class ExperienceDataPlane:
         valid = np.arange(bucket) < m
         start_time = time.perf_counter()
         with self._changed:
-            state = self.state
+            state = self._state
             with self._counting_compiles("update"):
                 (rest,) = self._update_kernel(state.storage, _replace(state, storage=None), ids_pad, prio_pad, valid)
-            self.state = _replace(rest, storage=state.storage)
+            self._state = _replace(rest, storage=state.storage)
             self.timeline.record("update", start_time, time.perf_counter())
 
     # -- checkpoints --------------------------------------------------------------------------------------------------
@@ -392,7 +440,7 @@ class ExperienceDataPlane:
                                  f"live migration keeps the shard count so no item is renumbered")
         shardings = plan.shardings(config)
         with self._changed:
-            self.state = jax.device_put(self.state, shardings)
+            self._state = jax.device_put(self._state, shardings)
             self.config, self.mesh, self.plan, self._shardings = config, new_mesh, plan, shardings
             self._build_kernels()
 
@@ -407,10 +455,12 @@ class ExperienceDataPlane:
             if version < current:
                 raise ConfigError(f"set_policy_version(): versions only move forward; the plane is at {current}, "
                                   f"got {version}")
-            state = self.state
+            state = self._state
             with self._counting_compiles("version"):
                 (rest,) = self._version_kernel(state.storage, _replace(state, storage=None), np.int32(version))
-            self.state = _replace(rest, storage=state.storage)
+            self._state = _replace(rest, storage=state.storage)
+            if self._counters is not None and self.sampler.deliverable is not None and not self.sampler.consumes:
+                self._counters["deliverable"] = None  # retired items can empty an eligibility index
             self._changed.notify_all()
 
     # -- status -------------------------------------------------------------------------------------------------

@@ -151,6 +151,7 @@ def sample(config: ReplayConfig, state: ReplayState) -> tuple[ReplayState, Deliv
     The batch comes back sharded over the shard axes: shard s holds rows ``[s*B/S, (s+1)*B/S)``."""
     specs = partition_specs(config)
     layout, num_shards, window = config.layout, config.num_shards, config.sampler.window
+    time_axis = config.sampler.time_axis
     # one shard: each leaf is gathered straight from its words of the ring, so every byte is copied once (measured
     # faster than gathering packed rows and unpacking them, for W1 items, PPO rollouts and image frames alike).
     # Several shards: packed rows with ids and weights appended travel in one reduce-scatter.
@@ -161,7 +162,7 @@ def sample(config: ReplayConfig, state: ReplayState) -> tuple[ReplayState, Deliv
         view = _shard_view(config, st)
         sampler_state, sel = config.sampler.sample(state.sampler, view)
         slots = sel.slots
-        if window > 1:  # a window's steps are `streams / S` slots apart in the owner's ring, oldest first
+        if time_axis:  # a window's steps are `streams / S` slots apart in the owner's ring, oldest first
             stride = config.sampler.streams // num_shards
             steps = (slots[:, None] + lax.iota(jnp.int32, window)[None, :] * stride) % config.shard_capacity
         else:
@@ -183,7 +184,7 @@ def sample(config: ReplayConfig, state: ReplayState) -> tuple[ReplayState, Deliv
             packed = lax.psum_scatter(packed, config.axes, scatter_dimension=0, tiled=True)
         words = layout.row_words * window
         data = packed[:, :words]
-        data = layout.unpack(data if window == 1 else data.reshape(-1, window, layout.row_words))
+        data = layout.unpack(data.reshape(-1, window, layout.row_words) if time_axis else data)
         return sampler_state, data, packed[:, words:]
 
     batch_specs = jax.tree_util.tree_map(lambda _: P(config.axes), layout.spec.structs)

@@ -87,7 +87,8 @@ class Sampler(NamedTuple):
     weigh: Optional[Callable[[Any, jax.Array, jax.Array], jax.Array]] = None
     retire: Optional[Callable[[Any, jax.Array, jax.Array], Any]] = None  # (state, slots, stale) -> state, per shard
     params: tuple = ()  # ((argument, value), ...) of the constructor call: rebuilds the sampler from a checkpoint
-    window: int = 1  # steps per delivered sequence (1: plain items, no time axis)
+    window: int = 1  # steps per delivered sequence
+    time_axis: bool = False  # deliveries carry a time axis [B, window, ...] (sequences, even of length 1)
     streams: int = 1  # environments per ingest step; batches hold multiples of it
     needs: tuple[str, ...] = ()  # leaves the spec must have (boolean episode ends)
     mask: Optional[Callable[[Any], jax.Array]] = None  # data [B, T, ...] -> bool[B, T] valid-step mask
@@ -491,7 +492,7 @@ def sequences(batch_size: int, length: int, streams: int, *, burn_in: int = 0, p
     base = _priority_sampler("sequences", batch_size, exponent, beta, eps, on_insert, max_times_sampled)
     params = _params(batch_size=batch_size, length=length, streams=streams, burn_in=burn_in, period=period, pad=pad,
                      end_keys=list(end_keys), alpha=alpha, beta=beta, eps=eps, max_times_sampled=max_times_sampled)
-    return base._replace(params=params, window=window, streams=streams, needs=tuple(end_keys),
+    return base._replace(params=params, window=window, time_axis=True, streams=streams, needs=tuple(end_keys),
                          mask=mask if pad else None,
                          weigh=base.weigh if weighted else None, update=base.update if weighted else None,
                          deliverable=_has_mass)

@@ -5,10 +5,12 @@ A policy is data; the shell (``ExperienceDataPlane.deliver``) carries it out.
 * ``sync()``: the baseline, as RLlib runs it: each ``deliver()`` samples and waits, on the learner's critical path.
 * ``overlap(depth)``: ``deliver()`` hands out a batch dispatched earlier and immediately dispatches the next, so up
   to ``depth`` batches are in flight while the learner computes (JAX async dispatch).
-* ``deferred(k, depth)``: overlap, plus priority updates queued on the host and applied in one coalesced kernel call;
-  the bound: a batch dispatched at step t has seen every update reported at steps <= t - k.
-* ``adaptive(max_depth, k)``: overlap whose depth follows the measured stage times: enough batches in flight to
-  cover one sample's latency with the learner's step time, within ``max_depth``.
+* ``deferred(k, depth)``: overlap, plus priority updates queued on the host and applied in one coalesced kernel call
+  once they are k steps old (from ``update_priorities``, off the delivery's wait); the bound: a batch dispatched at
+  step t has seen every update reported at steps <= t - k. Queued updates are validated when they are applied, so
+  the learner never waits for its own TD errors to be computed; a bad one raises then, naming its step.
+* ``adaptive(max_depth, k)``: deferred whose depth follows the measured (smoothed) exposed wait and learner step
+  time, within ``max_depth`` (``Schedule.next_depth``).
 
 Semantics every policy keeps: the rate limiter sees a prefetched batch when it is dispatched (so the
 samples-per-insert ratio counts it); a FIFO dispatches each item exactly once (prefetch moves the queue head once per
@@ -18,7 +20,6 @@ batch never holds items older than the staleness bound allows.
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 from conduit_jax.errors import ConfigError
@@ -30,13 +31,17 @@ class Schedule(NamedTuple):
     defer: int  # priority-update staleness bound k (0: apply at once)
     adaptive: bool = False
 
-    def target_depth(self, sample_s: float, learner_s: float) -> int:
-        """In-flight batches needed to hide one sample (``sample_s``) behind learner steps of ``learner_s``."""
-        if not self.adaptive:
-            return self.depth
-        if learner_s <= 0:
-            return self.depth
-        return max(1, min(self.depth, math.ceil(sample_s / learner_s) + 1))
+    def next_depth(self, depth: int, exposed_s: float, learner_s: float) -> int:
+        """The adaptive rule, from smoothed stage times: one more batch in flight while the learner still waits a
+        noticeable part (10%) of its step, one fewer when it waits almost never (<1%), within [1, max_depth]. The
+        other policies keep their depth."""
+        if not self.adaptive or learner_s <= 0:
+            return depth
+        if exposed_s > 0.1 * learner_s:
+            return min(self.depth, depth + 1)
+        if exposed_s < 0.01 * learner_s:
+            return max(1, depth - 1)
+        return depth
 
 
 def _positive(value, name: str, where: str, low: int = 1) -> int:

@@ -12,14 +12,14 @@ import jax.numpy as jnp
 
 
 def n_step(data, mask, gamma: float, *, reward: str = "reward", terminated: str = "terminated",
-           next_obs: str = "next_obs"):
+           truncated: str = "truncated", next_obs: str = "next_obs"):
     """n-step transitions from windows ``data`` (leaves [B, n, ...]) and ``mask`` bool[B, n] (the window's first
     episode, as ``Delivery.mask``).
 
     Returns a dict of [B, ...] leaves: every leaf of the window's first step, with ``reward`` replaced by
-    ``G = sum_k gamma^k r_k`` over the masked steps, ``next_obs`` taken from the last masked step, and
-    ``discount = gamma^m * (1 - terminated_last)`` where m is the number of masked steps: the factor a TD target
-    puts on ``Q(next_obs)``.
+    ``G = sum_k gamma^k r_k`` over the masked steps, ``next_obs``, ``terminated`` and ``truncated`` (when present)
+    taken from the last masked step, ``n_steps`` = m, the number of masked steps, and
+    ``discount = gamma^m * (1 - terminated_last)``: the factor a TD target puts on ``Q(next_obs)``.
     """
     steps = mask.shape[1]
     live = mask.astype(jnp.float32)
@@ -36,6 +36,10 @@ def n_step(data, mask, gamma: float, *, reward: str = "reward", terminated: str 
     out = jax.tree_util.tree_map(lambda x: x[:, 0], data)
     out[reward] = ret
     out[next_obs] = at_last(data[next_obs])
-    ended = at_last(data[terminated]).astype(jnp.float32)
+    out[terminated] = at_last(data[terminated])
+    if truncated in data:
+        out[truncated] = at_last(data[truncated])
+    out["n_steps"] = count
+    ended = out[terminated].astype(jnp.float32)
     out["discount"] = jnp.power(jnp.float32(gamma), count.astype(jnp.float32)) * (1.0 - ended)
     return out

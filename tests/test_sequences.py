@@ -307,7 +307,7 @@ def test_episodes_shorter_than_the_window_leave_nothing_to_sample():
 # -- n-step -----------------------------------------------------------------------------------------------------------
 def reference_n_step(traj, env, t0, n, gamma):
     """n-step transitions from the raw per-env trajectories (float64)."""
-    out = {k: [] for k in [*traj, "discount"]}
+    out = {k: [] for k in [*traj, "discount", "n_steps"]}
     for e, t in zip(env, t0):
         steps = np.arange(t, t + n)
         ends = ends_of(traj)[steps, e]
@@ -317,6 +317,9 @@ def reference_n_step(traj, env, t0, n, gamma):
             out[key].append(value[t, e])
         out["reward"][-1] = sum(gamma**k * float(traj["reward"][t + k, e]) for k in range(m))
         out["next_obs"][-1] = traj["next_obs"][last, e]
+        out["terminated"][-1] = traj["terminated"][last, e]
+        out["truncated"][-1] = traj["truncated"][last, e]
+        out["n_steps"].append(m)
         out["discount"].append(gamma**m * (1.0 - float(traj["terminated"][last, e])))
     return {k: np.asarray(v) for k, v in out.items()}
 
@@ -338,7 +341,9 @@ def test_n_step_equals_reference_on_hand_built_windows():
     np.testing.assert_allclose(out["discount"], [0.125, 0.0, 0.5])  # terminated: no bootstrap; truncated: gamma^1
     np.testing.assert_array_equal(out["next_obs"], [12.0, 21.0, 30.0])
     np.testing.assert_array_equal(out["obs"], [9.0, 19.0, 29.0])
-    np.testing.assert_array_equal(out["terminated"], [False, False, False])
+    np.testing.assert_array_equal(out["terminated"], [False, True, False])  # of the last step used
+    np.testing.assert_array_equal(out["truncated"], [False, False, True])
+    np.testing.assert_array_equal(out["n_steps"], [3, 2, 1])
 
 
 def test_n_step_on_sampled_windows_equals_reference(mesh):
@@ -357,6 +362,7 @@ def test_n_step_on_sampled_windows_equals_reference(mesh):
         assert set(got) == set(want)
         np.testing.assert_allclose(got["reward"], want["reward"], rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(got["discount"], want["discount"], rtol=1e-6, atol=0)
+        np.testing.assert_array_equal(got["n_steps"], want["n_steps"])
         for key in traj:
             if key != "reward":
                 np.testing.assert_array_equal(got[key], want[key], err_msg=key)

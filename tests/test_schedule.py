@@ -1,0 +1,312 @@
+"""Semantics every delivery schedule keeps (sync, overlap, deferred, adaptive), observed from outside the plane.
+
+* the samples-per-insert ratio holds counting prefetched (dispatched, not yet delivered) batches;
+* an on-policy batch holds only items of the current policy version, across version switches with batches in flight;
+* priority staleness never exceeds k: a batch dispatched after t deliveries has seen every priority update reported
+  after delivery t - k (made decisive: one item's priority jumps to 1e6, the batches that have seen it are all that
+  item);
+* a FIFO never delivers an item twice (or loses one) because of prefetch, and the rows are the ones ingested.
+
+Dispatch times are read from the plane's own timeline (``plane.timeline.chrome_trace()``): the i-th ``sample`` span
+is the i-th delivered batch (deliveries leave in dispatch order), and the ``exposed`` spans before it count the
+deliveries completed when it was dispatched.
+"""
+
+import time
+
+import numpy as np
+import pytest
+
+from conduit_jax import (ExperienceDataPlane, ExperienceSpec, NotEnoughDataError, RateLimitedError, default_mesh,
+                         limits, samplers)
+from conduit_jax import schedule as schedule_lib
+
+POLICIES = {
+    "sync": lambda: schedule_lib.sync(),
+    "overlap": lambda: schedule_lib.overlap(3),
+    "deferred": lambda: schedule_lib.deferred(2, 3),
+    "adaptive": lambda: schedule_lib.adaptive(3, 1),
+}
+
+
+@pytest.fixture(params=list(POLICIES))
+def policy(request):
+    return POLICIES[request.param]()
+
+
+def _dispatch_steps(plane) -> list[int]:
+    """For each dispatched batch in order: how many deliveries had completed when it was dispatched."""
+    done, out = 0, []
+    for event in plane.timeline.chrome_trace()["traceEvents"]:
+        if event["name"] == "exposed":
+            done += 1
+        elif event["name"] == "sample":
+            out.append(done)
+    return out
+
+
+def _in_flight(plane, delivered: int) -> int:
+    return plane.stats()["stages"].get("sample", {}).get("calls", 0) - delivered
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# samples per insert
+# ------------------------------------------------------------------------------------------------------------------
+def test_sample_to_insert_ratio_counts_prefetched_batches(policy):
+    spi, batch, min_size, error_buffer = 2.0, 8, 16, 12.0
+    spec = ExperienceSpec.from_example({"x": np.int32(0)})
+    plane = ExperienceDataPlane(spec, 256, samplers.uniform(batch), schedule=policy, mesh=default_mesh(1),
+                                limiter=limits.sample_to_insert_ratio(spi, min_size, error_buffer))
+    rng = np.random.default_rng(0)
+    inserted = delivered = refused = most_in_flight = 0
+    for _ in range(300):
+        n = int(rng.integers(1, 5))
+        if rng.random() < 0.5 and plane.can_ingest(n):
+            plane.ingest({"x": np.arange(n, dtype=np.int32)})
+            inserted += n
+        else:
+            try:
+                plane.deliver()
+                delivered += 1
+            except (RateLimitedError, NotEnoughDataError):
+                refused += 1
+        dispatched = plane.stats()["stages"].get("sample", {}).get("calls", 0)
+        most_in_flight = max(most_in_flight, dispatched - delivered)
+        # Reverb's law on what the plane has *dispatched* (delivered + in flight), not only on what it delivered:
+        # error = inserts * spi - sampled items stays within [spi * min_size - buffer, spi * min_size + buffer + the
+        # rest of the last batch ingest, which is admitted whole]
+        error = inserted * spi - dispatched * batch
+        if dispatched:
+            assert error >= spi * min_size - error_buffer, (inserted, dispatched)
+        assert error <= spi * min_size + error_buffer + spi * 3, (inserted, dispatched)
+    assert delivered > 30 and refused > 0  # both limits were exercised
+    if policy.depth:
+        assert most_in_flight >= 1  # prefetch really ran ahead
+
+
+def test_epochs_limiter_keeps_prefetch_inside_the_rollout(policy):
+    """PPO's pattern (experiments/ppo.py): capacity == rollout, epochs sampler, sample_to_insert_ratio(epochs): each
+    rollout gives exactly epochs * rollout / B deliveries, every item exactly `epochs` times, prefetch included."""
+    rollout, batch, epochs = 64, 16, 4
+    spec = ExperienceSpec.from_example({"x": np.int32(0)})
+    plane = ExperienceDataPlane(spec, rollout, samplers.epochs(batch), schedule=policy, mesh=default_mesh(1),
+                                limiter=limits.sample_to_insert_ratio(epochs, 1, (epochs + batch) / 2))
+    for it in range(4):
+        plane.ingest({"x": np.arange(rollout, dtype=np.int32) + 1000 * it})
+        seen = []
+        for _ in range(epochs * rollout // batch):
+            seen.append(np.asarray(plane.deliver().data["x"]))
+        with pytest.raises(RateLimitedError):
+            plane.deliver()  # nothing in flight: prefetch stopped at the last minibatch
+        counts = np.bincount(np.concatenate(seen) - 1000 * it, minlength=rollout)
+        assert (counts == epochs).all()
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# on-policy batches across version switches
+# ------------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("devices", [1, 8])
+def test_on_policy_batches_hold_only_the_current_version(policy, devices):
+    spec = ExperienceSpec.from_example({"x": np.int32(0), "policy_version": np.int32(0)})
+    plane = ExperienceDataPlane(spec, 64, samplers.uniform(16), staleness=limits.Staleness(0, "policy_version"),
+                                schedule=policy, mesh=default_mesh(devices))
+    masked = delivered_rows = 0
+    for version in range(8):
+        plane.set_policy_version(version)  # batches of the previous version may be in flight now
+        plane.ingest({"x": np.arange(32, dtype=np.int32), "policy_version": np.full(32, version, np.int32)})
+        for _ in range(3):
+            delivery = plane.deliver()
+            versions, mask = np.asarray(delivery.data["policy_version"]), np.asarray(delivery.mask)
+            assert mask.shape == versions.shape
+            assert (versions[mask] == version).all(), (version, versions, mask)
+            masked += int((~mask).sum())
+            delivered_rows += int(mask.sum())
+    assert delivered_rows > 0 and masked > 0  # the ring mixes versions: stale draws happened and were masked
+
+
+def test_in_flight_batches_are_rechecked_at_a_version_switch(policy):
+    """Everything dispatched before the switch comes back masked; nothing of the old version leaks."""
+    spec = ExperienceSpec.from_example({"x": np.int32(0), "policy_version": np.int32(0)})
+    plane = ExperienceDataPlane(spec, 32, samplers.uniform(8), staleness=limits.Staleness(0, "policy_version"),
+                                schedule=policy, mesh=default_mesh(1))
+    plane.ingest({"x": np.arange(32, dtype=np.int32), "policy_version": np.zeros(32, np.int32)})
+    plane.deliver()
+    in_flight = _in_flight(plane, 1)
+    assert in_flight == policy.depth
+    plane.set_policy_version(1)
+    plane.ingest({"x": np.arange(32, dtype=np.int32), "policy_version": np.ones(32, np.int32)})  # whole ring
+    for i in range(in_flight + 2):
+        delivery = plane.deliver()
+        mask = np.asarray(delivery.mask)
+        if i < in_flight:
+            assert not mask.any()  # dispatched under version 0: all rows stale
+        else:
+            assert mask.all() and (np.asarray(delivery.data["policy_version"]) == 1).all()
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# priority staleness <= k
+# ------------------------------------------------------------------------------------------------------------------
+def test_priority_staleness_never_exceeds_k(policy):
+    capacity, batch, hot, report_at = 64, 16, 7, 6
+    spec = ExperienceSpec.from_example({"x": np.int32(0)})
+    plane = ExperienceDataPlane(spec, capacity, samplers.prioritized(batch, alpha=1.0, beta=0.0), schedule=policy,
+                                mesh=default_mesh(1))
+    plane.ingest({"x": np.arange(capacity, dtype=np.int32)})
+    hot_id = None
+    dominated = []
+    for step in range(1, 20):
+        delivery = plane.deliver()
+        x, ids = np.asarray(delivery.data["x"]), np.asarray(delivery.ids)
+        dominated.append(np.mean(x == hot) > 0.9)
+        if hot_id is None and (x == hot).any():
+            hot_id = ids[np.argmax(x == hot)]
+        # every step reports priorities (as a learner does); the hot item's priority moves once, after delivery
+        # `report_at`, to a value that makes it nearly all of the mass
+        plain = x != hot
+        if plain.any():
+            plane.update_priorities(ids[plain], np.ones(int(plain.sum())))
+        if step == report_at:
+            assert hot_id is not None, "the hot item was never delivered, so it has no id to update"
+            plane.update_priorities(hot_id[None], np.array([1e6]))
+    k = policy.defer
+    for dispatched_after, is_dominated in zip(_dispatch_steps(plane), dominated):
+        if dispatched_after >= report_at + k:
+            assert is_dominated, f"a batch dispatched after {dispatched_after} deliveries missed an update " \
+                                 f"reported after delivery {report_at} (k={k})"
+        if dispatched_after < report_at:
+            assert not is_dominated  # nothing sees an update before it is reported
+    if k:
+        # the bound is tight for deferred: a batch dispatched between the report and report + k does not see it
+        lag = [d for d, dom in zip(_dispatch_steps(plane), dominated) if report_at <= d < report_at + k]
+        assert lag and not any(dom for d, dom in zip(_dispatch_steps(plane), dominated)
+                               if report_at <= d < report_at + k)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# FIFO: exactly once under prefetch
+# ------------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("devices", [1, 8])
+def test_fifo_delivers_each_item_once_under_prefetch(policy, devices):
+    spec = ExperienceSpec.from_example({"id": np.int32(0), "payload": np.zeros(3, np.float32)})
+    plane = ExperienceDataPlane(spec, 64, samplers.fifo(8), schedule=policy, mesh=default_mesh(devices))
+    rng = np.random.default_rng(1)
+    next_id = delivered = 0
+    out = []
+    for _ in range(200):
+        n = int(rng.integers(1, 13))
+        if rng.random() < 0.5 and plane.can_ingest(n):
+            ids = np.arange(next_id, next_id + n, dtype=np.int32)
+            plane.ingest({"id": ids, "payload": (ids[:, None] * np.array([1, 2, 3])).astype(np.float32)})
+            next_id += n
+        else:
+            try:
+                delivery = plane.deliver()
+            except NotEnoughDataError:
+                continue
+            delivered += 1
+            ids, payload = np.asarray(delivery.data["id"]), np.asarray(delivery.data["payload"])
+            np.testing.assert_array_equal(payload, ids[:, None] * np.array([1, 2, 3], np.float32))  # rows intact
+            out.append(ids)
+    got = np.concatenate(out)
+    assert len(np.unique(got)) == len(got), "an item was delivered twice"
+    np.testing.assert_array_equal(np.sort(got), np.arange(len(got)))  # none skipped: the oldest items, in order
+    if devices == 1:
+        np.testing.assert_array_equal(got, np.arange(len(got)))
+    assert delivered > 20
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# the exposed latency the policies are for (timing: generous margins, learner simulated by sleeping)
+# ------------------------------------------------------------------------------------------------------------------
+def _exposed_us(policy, limiter=None, learner_s=0.004, steps=40):
+    spec = ExperienceSpec.from_example({"x": np.zeros(16, np.float32)})
+    plane = ExperienceDataPlane(spec, 32768, samplers.prioritized(1024), schedule=policy, mesh=default_mesh(1),
+                                **({} if limiter is None else {"limiter": limiter}))
+    for _ in range(8):
+        plane.ingest({"x": np.random.default_rng(0).random((4096, 16), np.float32)})
+    for _ in range(steps):
+        delivery = plane.deliver()
+        time.sleep(learner_s)  # the learner's step: the device is free to compute the next batch meanwhile
+        plane.update_priorities(delivery.ids, np.ones(1024))
+    return plane.stats()["stages"]["exposed"]["median_us"]
+
+
+def test_overlap_hides_the_sample_behind_a_long_learner_step():
+    sync, overlap = _exposed_us(schedule_lib.sync()), _exposed_us(schedule_lib.overlap(2))
+    assert overlap < 0.5 * sync, (sync, overlap)
+
+
+def test_overlap_hides_the_sample_with_a_sample_to_insert_limiter():
+    def limiter():
+        return limits.sample_to_insert_ratio(1.0, 1, 1e7)  # never refuses here
+
+    sync = _exposed_us(schedule_lib.sync(), limiter())
+    overlap = _exposed_us(schedule_lib.overlap(2), limiter())
+    assert overlap < 0.5 * sync, (sync, overlap)
+
+
+def test_adaptive_bookkeeping_does_not_grow_with_the_run():
+    spec = ExperienceSpec.from_example({"x": np.int32(0)})
+
+    def median_deliver_us(policy, prefill):
+        plane = ExperienceDataPlane(spec, 256, samplers.uniform(8), schedule=policy, mesh=default_mesh(1))
+        plane.ingest({"x": np.arange(256, dtype=np.int32)})
+        for stage in ("ingest", "sample", "update", "exposed", "learner"):
+            for _ in range(prefill):  # a long run's history
+                plane.timeline.record(stage, 0.0, 1e-4)
+        times = []
+        for _ in range(40):
+            t0 = time.perf_counter()
+            plane.deliver()
+            times.append(time.perf_counter() - t0)
+        return np.median(times) * 1e6
+
+    overlap = median_deliver_us(schedule_lib.overlap(2), 10_000)
+    adaptive = median_deliver_us(schedule_lib.adaptive(2, 0), 10_000)
+    assert adaptive < 2 * overlap + 200, (overlap, adaptive)
+
+
+def test_update_priorities_does_not_wait_for_the_learner():
+    import jax
+    import jax.numpy as jnp
+
+    spec = ExperienceSpec.from_example({"x": np.int32(0)})
+    plane = ExperienceDataPlane(spec, 64, samplers.prioritized(8), schedule=schedule_lib.deferred(2, 2),
+                                mesh=default_mesh(1))
+    plane.ingest({"x": np.arange(64, dtype=np.int32)})
+    delivery = plane.deliver()
+    slow = jax.jit(lambda m, ids: jnp.abs(jnp.sum(m @ m @ m)) * 0 + jnp.ones(ids.shape[0]))  # a long learner step
+    m = jnp.ones((1024, 1024), jnp.float32)
+    jax.block_until_ready(slow(m, delivery.ids))  # compiled
+    for _ in range(5):
+        priorities = slow(m, delivery.ids)  # dispatched, still computing
+        if not priorities.is_ready():
+            break
+        time.sleep(0.05)
+    else:
+        pytest.skip("the backend ran the step synchronously at dispatch; nothing to observe")
+    plane.update_priorities(delivery.ids, priorities)
+    assert not priorities.is_ready(), "update_priorities() waited for the learner step"
+
+
+def test_no_recompilation_in_steady_state(policy):
+    spec = ExperienceSpec.from_example({"x": np.int32(0)})
+    plane = ExperienceDataPlane(spec, 128, samplers.prioritized(8), schedule=policy, mesh=default_mesh(1))
+    plane.ingest({"x": np.arange(64, dtype=np.int32)})
+
+    def steps(n):
+        for _ in range(n):
+            delivery = plane.deliver()
+            plane.update_priorities(delivery.ids, np.ones(8))
+            plane.ingest({"x": np.arange(8, dtype=np.int32)})
+
+    steps(6)
+    before = plane.compile_counts()
+    steps(10)
+    assert plane.compile_counts() == before
+
+
+def test_the_error_buffer_the_message_asks_for_is_accepted():
+    limiter = limits.sample_to_insert_ratio(3, 1, (3 + 16) / 2)  # the message: "must be at least ... = 9.5"
+    limiter.check(16)
