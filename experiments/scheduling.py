@@ -1,0 +1,271 @@
+"""Claim: latency-aware delivery hides the experience path behind the learner step.
+
+For each workload (a learner from experiments/ with fixed settings and seed) the same run is repeated under every
+delivery policy (sync, overlap, deferred, adaptive); from each run we take
+  * exposed latency: the median time the learner waited inside ``plane.deliver()`` for its batch (the plane's
+    ``stages['exposed']``, wall clock around dispatch and ``block_until_ready``);
+  * iteration latency: the median wall time of one learner iteration (deliver + learner step + whatever the loop does
+    between: acting, ingest, priority updates), measured between iterations without extra blocking;
+  * the reduction of exposed latency against ``sync`` in %;
+  * the paper's condition for its 97% headline: is the learner step (its own compute, blocked, on a ready batch) at
+    least as long as the experience path (the exposed latency under ``sync``: everything deliver() puts on the
+    critical path when nothing overlaps)?
+Workloads: DQN + PER as configured in dqn.py (small network: the learner step is short), the same DQN with a learner
+large enough that its step outlasts the experience path (the condition holds), and PPO (epochs of minibatches).
+
+Writes experiments/results/scheduling.json, scheduling.png and scheduling_trace.json (a Chrome / Perfetto trace of
+the plane's stages during the large-learner DQN run under ``overlap``); ``--quick`` writes scheduling_quick.* so it
+never replaces the full run's results. ``python -m experiments.scheduling --quick``
+takes a couple of minutes on 2 CPU cores; without ``--quick`` the runs are long enough to learn.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import jax
+import numpy as np
+
+from experiments import SCHEDULES, dqn, ppo
+
+RESULTS = Path(__file__).resolve().parent / "results"
+GOAL = 97.0  # % reduction of exposed latency vs sync the issue asks for when the learner step >= experience path
+
+
+def workloads(quick: bool) -> dict[str, tuple[Callable, Any]]:
+    """name -> (make_train, config) of each workload; --quick shortens the runs, never the shapes."""
+    dqn_steps, ppo_steps = (4_000, 4_096) if quick else (40_000, 60_000)
+    small = dqn.DQNConfig(total_env_steps=dqn_steps)
+    # a learner whose step outlasts the experience path on this CPU: 3x wider layers and a 4x larger batch
+    large = dataclasses.replace(small, hidden=512, batch_size=256)
+    return {
+        "dqn": (dqn.make_train, small),
+        "dqn_large_learner": (dqn.make_train, large),
+        "ppo": (ppo.make_train, ppo.PPOConfig(total_env_steps=ppo_steps)),
+    }
+
+
+TIMED = ("exposed_us", "exposed_p99_us", "iteration_us", "learner_compute_us", "sample_dispatch_us", "ingest_us",
+         "update_us", "learner_span_us")
+
+
+def _one_run(name: str, make_train, base, policy: str, seed: int, trace: Optional[Path]) -> dict:
+    if policy == "fused":  # sampling inside the learner's jit: plane.sample_fn(), no deliver() at all
+        config = dataclasses.replace(base, schedule="sync", fused=True, seed=seed)
+    else:
+        config = dataclasses.replace(base, schedule=policy, seed=seed)
+    train = make_train(config)
+    result = train(jax.random.key(seed))
+    if trace is not None:
+        trace.parent.mkdir(parents=True, exist_ok=True)
+        train.plane.timeline.chrome_trace(str(trace))
+    stages = result["stages"]
+    exposed = stages.get("exposed", {})  # none for the fused path: sampling is part of the learner step
+    return {
+        "workload": name, "schedule": policy,
+        "exposed_us": exposed.get("median_us"), "exposed_p99_us": exposed.get("p99_us"),
+        "iteration_us": result["iteration_us"], "learner_compute_us": result["learner_compute_us"],
+        # host time of one sample() call: dispatching a batch, which deliver() does for the refill
+        "sample_dispatch_us": stages.get("sample", {}).get("median_us"),
+        "ingest_us": stages["ingest"]["median_us"], "update_us": stages.get("update", {}).get("median_us"),
+        "learner_span_us": stages.get("learner", {}).get("median_us"),
+        "learner_steps": result["learner_steps"], "train_return": result["train_return"],
+        "eval_return": result["eval_return"], "prefetch_depth_final": result["plane_stats"]["prefetch_depth"],
+        "wall_s": result["wall_s"], "curve": result["curve"], "stages": stages,
+    }
+
+
+def run(quick: bool, seed: int = 0, rounds: int = 1, trace_path: Optional[Path] = None,
+        trace_run: tuple[str, str] = ("dqn_large_learner", "overlap")) -> dict:
+    """Every (workload, policy) run ``rounds`` times, rounds interleaved (the host is shared: a busy minute then hits
+    every policy alike); each timing is the median over rounds, every round's values are kept in ``rounds``."""
+    runs: dict[tuple[str, str], list[dict]] = {}
+    for round_index in range(rounds):
+        for name, (make_train, base) in workloads(quick).items():
+            fused = ("fused",) if hasattr(base, "fused") else ()
+            for policy in SCHEDULES + fused:
+                trace = trace_path if round_index == 0 and (name, policy) == trace_run else None
+                row = _one_run(name, make_train, base, policy, seed, trace)
+                runs.setdefault((name, policy), []).append(row)
+                print(f"  round {round_index}  {name:<18} {policy:<9} exposed {_us(row['exposed_us']):>7} us  "
+                      f"iteration {row['iteration_us']:>7.0f} us  return {row['train_return']:>6.1f}  "
+                      f"({row['wall_s']:.1f} s)", flush=True)
+    rows = []
+    for per_round in runs.values():
+        row = dict(per_round[0])
+        for key in TIMED:
+            values = [r[key] for r in per_round if r[key] is not None]
+            row[key] = float(np.median(values)) if values else None
+        row["rounds"] = [{key: r[key] for key in TIMED + ("train_return", "eval_return", "wall_s")} for r in per_round]
+        rows.append(row)
+    report = {"claim": "exposed experience-path latency >= 97% lower than sync when the learner step >= the "
+                       "experience path", "quick": quick, "seed": seed, "rounds": rounds,
+              "environment": _environment(), "rows": rows}
+    return summarize(report)
+
+
+def summarize(report: dict) -> dict:
+    """Derived columns: reductions against sync, the paper's condition, whether the goal is reached, a verdict."""
+    rows = report["rows"]
+    for row in rows:
+        same = [r for r in rows if r["workload"] == row["workload"]]
+        sync = next(r for r in same if r["schedule"] == "sync")
+        # the learner step is the same program under every policy: its median over all of them is the best estimate
+        # on a shared host (one 20-step measurement can catch a busy moment)
+        learner = float(np.median([r["learner_compute_us"] for r in same]))
+        row["learner_step_us"] = learner
+        row["experience_path_us"] = sync["exposed_us"]
+        row["exposed_reduction_pct"] = None if row["exposed_us"] is None else \
+            100.0 * (1.0 - row["exposed_us"] / sync["exposed_us"])
+        row["iteration_reduction_pct"] = 100.0 * (1.0 - row["iteration_us"] / sync["iteration_us"])
+        row["learner_ge_experience_path"] = bool(learner >= sync["exposed_us"])
+        row["goal_reached"] = None if row["exposed_reduction_pct"] is None else \
+            row["schedule"] == "sync" or row["exposed_reduction_pct"] >= GOAL
+    report["verdict"] = verdict(report)
+    return report
+
+
+def _environment() -> dict:
+    try:
+        from benchmarks.common import environment  # the benchmark harness's record (versions, CPU, load, commit)
+        return environment({})
+    except Exception:  # noqa: BLE001 - the record is informative only
+        return {"python": platform.python_version(), "jax": jax.__version__, "devices": [str(d) for d in jax.devices()],
+                "cpu_count": os.cpu_count(), "load_average": list(os.getloadavg()),
+                "jax_cpu_enable_async_dispatch": bool(jax.config.read("jax_cpu_enable_async_dispatch"))}
+
+
+def _us(value) -> str:
+    return "n/a" if value is None else f"{value:.0f}"
+
+
+def _pct(value) -> str:
+    return "n/a" if value is None else f"{value:.1f}%"
+
+
+def format_table(report: dict) -> str:
+    lines = [f"{'workload':<18} {'schedule':<9} {'exposed us':>10} {'vs sync':>8} {'dispatch us':>11} {'iter us':>8} "
+             f"{'vs sync':>8} {'learner us':>10} {'exp.path us':>11} {'learner>=path':>13} {'97% goal':>8}"]
+    for r in report["rows"]:
+        goal = "-" if r["schedule"] == "sync" or r["goal_reached"] is None else ("yes" if r["goal_reached"] else "no")
+        lines.append(f"{r['workload']:<18} {r['schedule']:<9} {_us(r['exposed_us']):>10} "
+                     f"{_pct(r['exposed_reduction_pct']):>8} {_us(r['sample_dispatch_us']):>11} "
+                     f"{r['iteration_us']:>8.0f} {_pct(r['iteration_reduction_pct']):>8} "
+                     f"{r['learner_step_us']:>10.0f} {r['experience_path_us']:>11.0f} "
+                     f"{'yes' if r['learner_ge_experience_path'] else 'no':>13} {goal:>8}")
+    lines.append("exposed: median wait in deliver(); dispatch: host time of one sample() call (deliver() makes one for "
+                 "the refill, on the critical path); learner: the learner step alone on a ready batch "
+                 "(median over the workload's runs); exp.path: "
+                 "exposed under sync; fused: plane.sample_fn() inside the learner's jit (no deliver(), so no "
+                 "exposed time of its own: compare iteration latency)")
+    return "\n".join(lines)
+
+
+def verdict(report: dict) -> list[str]:
+    """Plain statements of where the 97% goal is and is not reached, and why."""
+    out = []
+    for workload in dict.fromkeys(r["workload"] for r in report["rows"]):
+        rows = [r for r in report["rows"] if r["workload"] == workload]
+        best = max((r for r in rows if r["schedule"] not in ("sync", "fused")),
+                   key=lambda r: r["exposed_reduction_pct"])
+        condition = rows[0]["learner_ge_experience_path"]
+        status = "reached" if best["exposed_reduction_pct"] >= GOAL else "NOT reached"
+        out.append(f"{workload}: learner step {rows[0]['learner_step_us']:.0f} us vs experience path "
+                   f"{rows[0]['experience_path_us']:.0f} us (condition {'holds' if condition else 'does not hold'}); "
+                   f"best policy {best['schedule']} cuts exposed latency by {best['exposed_reduction_pct']:.1f}% "
+                   f"-> 97% goal {status}; {best['exposed_us']:.0f} us remain, of which ~"
+                   f"{best['sample_dispatch_us']:.0f} us is the refill's dispatch inside deliver()"
+                   + "".join(f"; fused sampling: iteration {r['iteration_us']:.0f} us vs sync "
+                             f"{rows[0]['iteration_us']:.0f} us" for r in rows if r["schedule"] == "fused"))
+    cores = report["environment"].get("cpu_count", "?")
+    out.append(
+        f"Why not 97% here: (1) {cores} shared CPU cores: XLA:CPU runs the sample kernel on the same cores as the "
+        "learner's step (and small kernels inline on the dispatching thread), so 'overlap' hides less than on a GPU, "
+        "whose host thread is free while the device computes; (2) deliver() does host work on the critical path that "
+        "no prefetch hides: dispatching the replacement batch (lock, refusal check, kernel launch: tens of us), under "
+        "'deferred' the coalesced priority update, under 'adaptive' a Timeline.summary() per call, and with a "
+        "sample-limiting limiter (PPO) a device read of the limiter balance that waits for every batch in flight. "
+        "Where the remaining exposed time is this fixed host cost, a 97% cut needs a sync baseline ~30x larger.")
+    return out
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(dict.fromkeys(r["workload"] for r in report["rows"]))
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.6))
+    width = 0.16
+    for i, policy in enumerate(SCHEDULES + ("fused",)):
+        rows = [next((r for r in report["rows"] if r["workload"] == n and r["schedule"] == policy), None)
+                for n in names]
+        x = np.arange(len(names)) + (i - 2) * width
+        axes[0].bar(x, [np.nan if r is None or r["exposed_us"] is None else r["exposed_us"] for r in rows], width,
+                    label=policy)
+        axes[1].bar(x, [np.nan if r is None else r["iteration_us"] for r in rows], width, label=policy)
+    for ax, title in zip(axes[:2], ("exposed experience-path latency (median)", "iteration latency (median)")):
+        ax.set_xticks(np.arange(len(names)), names)
+        ax.set_ylabel("us")
+        ax.set_yscale("log")
+        ax.set_title(title)
+    axes[0].legend()
+    learners = [r for r in report["rows"] if r["workload"] == names[0]]
+    for r in learners:
+        if r["curve"]:
+            curve = np.asarray(r["curve"])
+            axes[2].plot(curve[:, 0], curve[:, 1], label=f"{names[0]} {r['schedule']}")
+    for r in report["rows"]:
+        if r["workload"] == "ppo" and r["curve"]:
+            curve = np.asarray(r["curve"])
+            axes[2].plot(curve[:, 0], curve[:, 1], "--", label=f"ppo {r['schedule']}")
+    axes[2].set_xlabel("env steps")
+    axes[2].set_ylabel("episode return")
+    axes[2].set_title("learning curves (CartPole; the PPO curves coincide:\nevery policy delivers the same "
+                      "minibatches)", fontsize=9)
+    axes[2].legend(fontsize=7)
+    fig.suptitle(f"Delivery policies on {report['environment'].get('cpu_count', '?')} CPU cores "
+                 f"({'quick' if report['quick'] else 'full'} run, seed {report['seed']})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="short runs (a couple of minutes)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rounds", type=int, default=None, help="interleaved repetitions (default 1 quick, 2 full)")
+    parser.add_argument("--out", default=str(RESULTS), help="directory for the results")
+    parser.add_argument("--from-json", default=None, help="re-summarize and re-plot a saved scheduling.json")
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    stem = "scheduling_quick" if args.quick else "scheduling"
+    start = time.perf_counter()
+    if args.from_json:
+        with open(args.from_json) as f:
+            report = summarize(json.load(f))
+    else:
+        report = run(args.quick, args.seed, args.rounds or (1 if args.quick else 2), out / f"{stem}_trace.json")
+        report["wall_s"] = time.perf_counter() - start
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / f"{stem}.json", "w") as f:
+        json.dump(report, f, indent=1)
+    plot(report, out / f"{stem}.png")
+    print()
+    print(format_table(report))
+    print()
+    for line in report["verdict"]:
+        print(line)
+    print(f"\nwrote {out / stem}.json, .png and _trace.json ({report.get('wall_s', 0):.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
