@@ -1,0 +1,226 @@
+"""PPO with a Conduit plane as the staging area between RLlib's env runners and its torch learner.
+
+``ConduitPPOTorchLearner`` (select with ``config.training(learner_class=ConduitPPOTorchLearner)``; RLlib's algorithm
+code is unchanged) changes two steps of ``Learner.update`` and keeps the rest:
+
+1. **GAE in JAX.** RLlib's ``GeneralAdvantageEstimation`` connector piece (a NumPy loop over the batch) is replaced
+   by ``ConduitGAE``, appended at the same place after RLlib's own pieces: it runs the value head (torch, no grad),
+   hands values, rewards and episode-boundary flags to JAX through DLPack (zero-copy: fresh, aligned tensors), runs
+   the GAE recursion as an associative scan (O(log n) depth, batch padded to a power of two so sizes do not
+   recompile) and hands advantages (standardised like RLlib does) and value targets back to torch through DLPack
+   (zero-copy). The maths is RLlib's ``compute_value_targets`` (same boundary conventions as
+   ``AddOneTsToEpisodesAndTruncate``).
+2. **Epoch minibatches from the plane.** Instead of RLlib's ``MiniBatchCyclicIterator`` (slices and per-epoch
+   shuffles of torch tensors), the finished train batch is ingested into an ``ExperienceDataPlane`` with
+   ``samplers.epochs(minibatch_size)`` (torch -> JAX zero-copy for the duration of the ingest) and every minibatch is a
+   plane delivery handed to torch through DLPack (zero-copy). The batch of ``n`` rows is padded cyclically to
+   ``C = ceil(n / minibatch_size) * minibatch_size`` rows (its first ``C - n`` rows once more, as RLlib's cyclic
+   iterator also repeats rows), so each epoch is ``C / minibatch_size`` minibatches with every row at least once
+   (RLlib: ``ceil(num_epochs * n / minibatch_size)`` minibatches in all, so up to ``num_epochs - 1`` fewer). The
+   plane's capacity is ``minibatch_size`` times a power of two and its storage is emptied before each batch, so the
+   varying ``n`` (train batch + one bootstrap row per episode chunk) reuses one compiled plane.
+
+Every epoch is a fresh shuffle (RLlib shuffles only with ``shuffle_batch_per_epoch``, PPO's default). Falls back to
+RLlib's own iterator without ``minibatch_size``, for multi-module batches, ``num_total_minibatches`` (several
+learners), data iterators, and stateful modules (GAE falls back to RLlib's piece too).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import math
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+from jax import lax
+from ray.rllib.algorithms.ppo.torch.ppo_torch_learner import PPOTorchLearner
+from ray.rllib.connectors.connector_v2 import ConnectorV2
+from ray.rllib.connectors.learner.general_advantage_estimation import GeneralAdvantageEstimation
+from ray.rllib.core.columns import Columns
+from ray.rllib.core.rl_module.apis.value_function_api import ValueFunctionAPI
+from ray.rllib.evaluation.postprocessing import Postprocessing
+from ray.rllib.policy.sample_batch import MultiAgentBatch, SampleBatch
+
+from conduit_jax import ExperienceDataPlane, ExperienceSpec, default_mesh, samplers
+from conduit_rllib.dlpack import jax_to_torch, torch_to_jax
+
+_MIN_BUCKET = 256
+
+
+def _bucket(n: int) -> int:
+    return max(_MIN_BUCKET, 1 << max(0, (n - 1).bit_length()))
+
+
+@functools.partial(jax.jit, static_argnames=("gamma", "lambda_"))
+def gae(values, rewards, terminateds, truncateds, n, *, gamma: float, lambda_: float):
+    """RLlib's ``compute_value_targets`` + advantage standardisation on the first ``n`` rows of padded columns.
+
+    Returns (standardised advantages, value targets), padded like the inputs."""
+    size = values.shape[0]
+    valid = lax.iota(jnp.int32, size) < n
+    values = jnp.where(valid, values.astype(jnp.float32), 0.0)
+    non_terminal = 1.0 - terminateds.astype(jnp.float32)
+    propagate = non_terminal * (1.0 - truncateds.astype(jnp.float32))
+    next_values = jnp.where(lax.iota(jnp.int32, size) < n - 1, jnp.roll(values, -1), 0.0)
+    delta = jnp.where(valid, rewards.astype(jnp.float32) + gamma * non_terminal * next_values - values, 0.0)
+    factor = jnp.where(valid, gamma * lambda_ * propagate, 0.0)
+
+    # a_t = delta_t + factor_t * a_{t+1}: compose the affine maps x -> d + c x from the end of the batch
+    def compose(first, then):
+        (c1, d1), (c2, d2) = first, then
+        return c1 * c2, d2 + c2 * d1
+
+    _, advantages = lax.associative_scan(compose, (factor[::-1], delta[::-1]))
+    advantages = advantages[::-1]
+    targets = advantages + values
+    count = jnp.maximum(n, 1).astype(jnp.float32)
+    mean = jnp.sum(jnp.where(valid, advantages, 0.0)) / count
+    std = jnp.sqrt(jnp.sum(jnp.where(valid, (advantages - mean) ** 2, 0.0)) / count)
+    standardised = jnp.where(valid, (advantages - mean) / jnp.maximum(1e-4, std), 0.0)
+    return standardised, targets
+
+
+def _padded(tensor: torch.Tensor, size: int, dtype: torch.dtype) -> torch.Tensor:
+    out = torch.zeros(size, dtype=dtype)
+    out[: tensor.shape[0]] = tensor.detach().to("cpu", dtype)
+    return out
+
+
+class ConduitGAE(ConnectorV2):
+    """Learner connector piece: GAE advantages and value targets computed in JAX (see the module docstring)."""
+
+    def __init__(self, input_observation_space=None, input_action_space=None, *, gamma: float, lambda_: float,
+                 **kwargs):
+        super().__init__(input_observation_space, input_action_space, **kwargs)
+        self.gamma, self.lambda_ = float(gamma), float(lambda_)
+        self.seconds = 0.0
+
+    def __call__(self, *, rl_module, episodes, batch, **kwargs):
+        start = time.perf_counter()
+        for module_id, module_batch in batch.items():
+            module = rl_module[module_id]
+            if not isinstance(module, ValueFunctionAPI):
+                continue
+            with torch.no_grad():
+                values = module.compute_values(module_batch)
+            device = values.device
+            n = int(values.shape[0])
+            size = _bucket(n)
+            # fresh, 64-byte-aligned CPU tensors owned here: handed to JAX without a copy
+            inputs = [_padded(values, size, torch.float32),
+                      _padded(module_batch[Columns.REWARDS], size, torch.float32),
+                      _padded(module_batch[Columns.TERMINATEDS], size, torch.bool),
+                      _padded(module_batch[Columns.TRUNCATEDS], size, torch.bool)]
+            advantages, targets = gae(*(torch_to_jax(t, copy=False) for t in inputs), np.int32(n),
+                                      gamma=self.gamma, lambda_=self.lambda_)
+            module_batch[Postprocessing.ADVANTAGES] = jax_to_torch(advantages, device=device)[:n]
+            module_batch[Postprocessing.VALUE_TARGETS] = jax_to_torch(targets, device=device)[:n]
+        self.seconds += time.perf_counter() - start
+        return batch
+
+
+class EpochStaging:
+    """Stages a finished PPO train batch in a plane and yields its epoch minibatches as torch batches.
+
+    One plane per (module, spec, minibatch size, capacity bucket): its capacity is ``minibatch_size`` times a power of
+    two, so the varying batch size (train batch + one bootstrap row per episode chunk) reuses one compiled plane.
+    Before each batch the plane's storage is reset to empty (the sampler's random stream goes on), so an epoch covers
+    exactly the rows of this batch."""
+
+    def __init__(self, seed: int = 0, max_planes: int = 4):
+        self.seed = seed
+        self.max_planes = max_planes
+        self._planes: collections.OrderedDict = collections.OrderedDict()  # key -> (plane, empty storage)
+        self.seconds = 0.0  # ingest + deliveries + DLPack, excluding the learner's own work between minibatches
+
+    def _plane(self, spec: ExperienceSpec, rows: int, minibatch: int, module_id: str) -> ExperienceDataPlane:
+        capacity = minibatch * (1 << max(0, (rows // minibatch - 1).bit_length()))
+        key = (module_id, spec, minibatch, capacity)
+        entry = self._planes.pop(key, None)
+        if entry is None:
+            plane = ExperienceDataPlane(spec, capacity, samplers.epochs(minibatch), mesh=default_mesh(1),
+                                        seed=self.seed)
+            entry = (plane, jax.tree_util.tree_map(jnp.copy, plane.state.storage))
+            while len(self._planes) >= self.max_planes:
+                self._planes.popitem(last=False)
+        self._planes[key] = entry
+        plane, empty = entry
+        # drop the previous batch: fresh (empty) storage, the sampler's key and epoch counter carry on
+        plane.state = dataclasses.replace(plane.state, storage=jax.tree_util.tree_map(jnp.copy, empty))
+        return plane
+
+    def minibatches(self, module_id: str, module_batch: SampleBatch, *, num_epochs: int, minibatch_size: int,
+                    device: torch.device):
+        start = time.perf_counter()
+        columns = {k: v for k, v in module_batch.items() if isinstance(v, torch.Tensor)}
+        n = len(module_batch)
+        size = minibatch_size or n
+        rows = math.ceil(n / size) * size
+        if rows > n:  # cyclic padding: the first rows - n rows once more (fresh tensors, owned here)
+            columns = jax.tree_util.tree_map(lambda t: torch.cat([t, t[: rows - n]]), columns)
+        arrays = jax.tree_util.tree_map(lambda t: torch_to_jax(t, copy=False), columns)
+        spec = ExperienceSpec.from_structs(jax.tree_util.tree_map(
+            lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), arrays))
+        plane = self._plane(spec, rows, size, module_id)
+        # the JAX arrays alias torch memory only while ingest runs: the plane packs them and keeps no reference
+        plane.ingest(arrays)
+        del arrays, columns
+        self.seconds += time.perf_counter() - start
+        for _ in range(num_epochs):
+            for _ in range(rows // size):
+                start = time.perf_counter()
+                data = plane.sample().data
+                batch = jax.tree_util.tree_map(lambda a: jax_to_torch(a, device=device), data)
+                out = MultiAgentBatch({module_id: SampleBatch(batch)}, env_steps=n)
+                self.seconds += time.perf_counter() - start
+                yield out
+
+
+class ConduitPPOTorchLearner(PPOTorchLearner):
+    """RLlib's PPO torch learner with GAE in JAX and epoch minibatches delivered by a Conduit plane."""
+
+    def build(self) -> None:
+        super().build()
+        self._conduit_gae = None
+        if self._learner_connector is not None and self.config.add_default_connectors_to_learner_pipeline:
+            names = [type(piece).__name__ for piece in self._learner_connector.connectors]
+            stateful = any(self.module[module_id].is_stateful() for module_id in self.module.keys())  # noqa: SIM118 (a MultiRLModule)
+            if GeneralAdvantageEstimation.__name__ in names and not stateful:
+                self._learner_connector.remove(GeneralAdvantageEstimation.__name__)
+                self._conduit_gae = ConduitGAE(gamma=self.config.gamma, lambda_=self.config.lambda_)
+                self._learner_connector.append(self._conduit_gae)
+        self._conduit_staging = EpochStaging(seed=int(self.config.seed or 0))
+
+    def _create_iterator_if_necessary(self, *, training_data, num_total_minibatches: int = 0, num_epochs: int = 1,
+                                      minibatch_size=None, shuffle_batch_per_epoch: bool = False, **kwargs):
+        if training_data.data_iterators or num_total_minibatches or not minibatch_size:
+            return super()._create_iterator_if_necessary(
+                training_data=training_data, num_total_minibatches=num_total_minibatches, num_epochs=num_epochs,
+                minibatch_size=minibatch_size, shuffle_batch_per_epoch=shuffle_batch_per_epoch, **kwargs)
+        batch = self._make_batch_if_necessary(training_data=training_data)
+        for module_id in list(batch.policy_batches):
+            if not self.should_module_be_updated(module_id, batch):
+                del batch.policy_batches[module_id]
+        if not batch.policy_batches:
+            return {}
+        if len(batch.policy_batches) != 1 or any(m.is_stateful() for m in (
+                self.module[mid] for mid in batch.policy_batches)):
+            return _rllib_iterator(batch, num_epochs, minibatch_size, shuffle_batch_per_epoch)
+        (module_id, module_batch), = batch.policy_batches.items()
+        return self._conduit_staging.minibatches(module_id, module_batch, num_epochs=num_epochs,
+                                                 minibatch_size=minibatch_size, device=self._device)
+
+
+def _rllib_iterator(batch, num_epochs, minibatch_size, shuffle):
+    from ray.rllib.utils.minibatch_utils import MiniBatchCyclicIterator, MiniBatchDummyIterator
+
+    if minibatch_size or num_epochs > 1:
+        return MiniBatchCyclicIterator(batch, num_epochs=num_epochs, minibatch_size=minibatch_size or batch.count,
+                                       shuffle_batch_per_epoch=shuffle and num_epochs > 1)
+    return MiniBatchDummyIterator(batch, num_epochs=num_epochs, minibatch_size=minibatch_size,
+                                  shuffle_batch_per_epoch=False)

@@ -1,0 +1,481 @@
+"""The RLlib adapter (adapters/conduit_rllib): DLPack bridge, replay buffers, PPO staging, checkpoints, and RLlib
+algorithms (DQN with PER, SAC, PPO) training with the Conduit path.
+
+Small settings throughout (2 shared cores): rollout_fragment_length >= 16, tiny batches, one ``ray.init`` per test
+session (``ray_session``) with token auth off and Ray's temp dir inside pytest's tmp path, torch on one thread.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import sys
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("ray.rllib")
+
+try:
+    import conduit_rllib  # noqa: F401
+except ImportError:  # not installed: use the source tree (pip install ./adapters, or the main package's rllib extra)
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "adapters"))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import torch  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+from ray.rllib.env.single_agent_episode import SingleAgentEpisode  # noqa: E402
+
+import conduit_rllib  # noqa: E402
+from conduit_jax.plane import default_mesh  # noqa: E402
+from conduit_jax.spec import SUPPORTED_DTYPES  # noqa: E402
+from conduit_rllib import dlpack  # noqa: E402
+from conduit_rllib.buffers import ConduitBatch  # noqa: E402
+
+torch.set_num_threads(1)
+
+# ray.init forks its processes after JAX has started its threads (it execs right away: harmless)
+pytestmark = pytest.mark.filterwarnings("ignore:os.fork\\(\\) was called:RuntimeWarning")
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# DLPack bridge
+# ------------------------------------------------------------------------------------------------------------------
+def _example(dtype, shape=(6, 5)):
+    values = np.arange(int(np.prod(shape))).reshape(shape) % 7
+    if np.dtype(dtype) == np.bool_:
+        values = values % 2
+    return jnp.asarray(values.astype(np.float32)).astype(dtype)
+
+
+def _host(x):
+    if isinstance(x, torch.Tensor):
+        x = x.float() if x.dtype in (torch.bfloat16, torch.float16, torch.bool) or x.dtype.is_floating_point \
+            else x.to(torch.int64)
+        return x.numpy()
+    return np.asarray(jnp.asarray(x).astype(jnp.float32))
+
+
+@pytest.mark.parametrize("dtype", SUPPORTED_DTYPES, ids=str)
+def test_dlpack_round_trip_every_dtype_zero_copy(dtype):
+    x = _example(dtype)
+    t = dlpack.jax_to_torch(x)
+    assert dlpack.shares_memory(x, t), "jax -> torch must be zero-copy for an unsharded array"
+    assert dlpack.numpy_dtype(t.dtype) == np.dtype(dtype)
+    np.testing.assert_array_equal(_host(t), _host(x))
+    back = dlpack.torch_to_jax(t, copy=False)
+    assert back.dtype == np.dtype(dtype)
+    assert back.unsafe_buffer_pointer() == t.data_ptr(), "torch -> jax (copy=False, aligned) must be zero-copy"
+    np.testing.assert_array_equal(_host(back), _host(x))
+    copied = dlpack.torch_to_jax(t)  # default: an independent array
+    assert copied.unsafe_buffer_pointer() != t.data_ptr()
+    np.testing.assert_array_equal(_host(copied), _host(x))
+    detached = dlpack.jax_to_torch(x, copy=True)
+    assert detached.data_ptr() != x.unsafe_buffer_pointer()
+    np.testing.assert_array_equal(_host(detached), _host(x))
+
+
+def test_dlpack_copies_are_independent_and_writes_alias():
+    t = torch.arange(16, dtype=torch.float32)
+    copied = dlpack.torch_to_jax(t)
+    aliased = dlpack.torch_to_jax(t, copy=False)
+    t[0] = 100.0
+    assert float(copied[0]) == 0.0  # jnp.array(from_dlpack(t), copy=True): a real copy
+    assert float(aliased[0]) == 100.0  # copy=False: JAX reads torch's memory (the caller's promise)
+    x = jnp.zeros(4, jnp.float32)
+    shared = dlpack.jax_to_torch(x)
+    safe = dlpack.jax_to_torch(x, copy=True)
+    shared[1] = 5.0
+    safe[2] = 7.0
+    assert np.asarray(x).tolist() == [0.0, 5.0, 0.0, 0.0]  # the documented hazard: JAX memory is writable in torch
+
+
+@pytest.mark.parametrize("wide,narrow", [(torch.int64, np.int32), (torch.float64, np.float32),
+                                         (torch.uint64, np.uint32)], ids=str)
+def test_dlpack_64_bit_is_narrowed_explicitly(wide, narrow):
+    t = torch.arange(10).to(wide)
+    x = dlpack.torch_to_jax(t, copy=False)
+    assert x.dtype == np.dtype(narrow)
+    np.testing.assert_array_equal(np.asarray(x), np.arange(10))
+    assert x.unsafe_buffer_pointer() != t.data_ptr()
+    with pytest.raises(TypeError, match="narrowed"):
+        dlpack.torch_to_jax(t, narrow=False)
+
+
+def test_dlpack_unaligned_and_strided_tensors_are_copied_correctly():
+    base = torch.arange(64, dtype=torch.float32)
+    unaligned = base[1:17]  # 4 bytes past a 64-byte boundary
+    assert unaligned.data_ptr() % 64
+    x = dlpack.torch_to_jax(unaligned, copy=False)
+    np.testing.assert_array_equal(np.asarray(x), np.arange(1, 17))
+    strided = base.reshape(8, 8)[:, ::2]
+    np.testing.assert_array_equal(np.asarray(dlpack.torch_to_jax(strided, copy=False)), strided.numpy())
+    grad = torch.ones(3, requires_grad=True)
+    np.testing.assert_array_equal(np.asarray(dlpack.torch_to_jax(grad)), np.ones(3))
+
+
+def test_dlpack_sharded_and_replicated_arrays():
+    mesh = default_mesh(8)
+    x = jax.device_put(jnp.arange(64, dtype=jnp.float32).reshape(16, 4), NamedSharding(mesh, P("shard")))
+    t = dlpack.jax_to_torch(x)  # joined: one copy
+    np.testing.assert_array_equal(t.numpy(), np.arange(64).reshape(16, 4))
+    shards = dlpack.jax_shards_to_torch(x)  # per shard: zero-copy
+    assert [s.data_ptr() for s in shards] == [s.data.unsafe_buffer_pointer() for s in x.addressable_shards]
+    replicated = jax.device_put(jnp.arange(8, dtype=jnp.int32), NamedSharding(mesh, P()))
+    r = dlpack.jax_to_torch(replicated)
+    assert dlpack.shares_memory(replicated, r)
+    np.testing.assert_array_equal(r.numpy(), np.arange(8))
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# replay buffers, without Ray running
+# ------------------------------------------------------------------------------------------------------------------
+# chunks of episodes: (chunk index, length, end) with end in terminated / truncated / cut (episode goes on)
+CHUNKS = [(0, 5, "terminated"), (1, 4, "cut"), (2, 3, "truncated"), (3, 6, "terminated"), (4, 2, "terminated"),
+          (5, 7, "cut")]
+
+
+def _chunk_rewards(chunk, length):
+    return (np.arange(length, dtype=np.float32) + 1.0) * (chunk + 1)
+
+
+def _episodes():
+    """Episode chunks whose observations encode (chunk, step): obs_t = [chunk, t] (next_obs of the last step: t=len)."""
+    out = []
+    for chunk, length, end in CHUNKS:
+        obs = [np.array([chunk, t], np.float32) for t in range(length + 1)]
+        out.append(SingleAgentEpisode(
+            observations=obs, actions=[np.int64(t % 2) for t in range(length)],
+            rewards=list(_chunk_rewards(chunk, length).astype(np.float64)),
+            terminated=end == "terminated", truncated=end == "truncated", len_lookback_buffer=0))
+    return out
+
+
+def _reference(chunk, t, n, gamma):
+    _, length, end = CHUNKS[chunk]
+    m = min(n, length - t)
+    rewards = _chunk_rewards(chunk, length)[t:t + m]
+    ret = float(np.sum(rewards * gamma ** np.arange(m)))
+    at_end = t + m == length
+    return {"n_step": m, "rewards": ret, "new_obs": [chunk, t + m], "terminateds": at_end and end == "terminated",
+            "truncateds": at_end and end == "truncated", "actions": t % 2}
+
+
+def _check_transitions(columns, n, gamma):
+    obs = np.asarray(columns["obs"])
+    for i in range(obs.shape[0]):
+        chunk, t = int(obs[i, 0]), int(obs[i, 1])
+        want = _reference(chunk, t, n if np.ndim(n) == 0 else int(n[i]), gamma)
+        assert int(columns["n_step"][i]) == want["n_step"], (chunk, t)
+        assert float(columns["rewards"][i]) == pytest.approx(want["rewards"], rel=1e-6), (chunk, t)
+        assert np.asarray(columns["new_obs"][i]).tolist() == want["new_obs"], (chunk, t)
+        assert bool(columns["terminateds"][i]) == want["terminateds"], (chunk, t)
+        assert bool(columns["truncateds"][i]) == want["truncateds"], (chunk, t)
+        assert int(columns["actions"][i]) == want["actions"], (chunk, t)
+    return {(int(c), int(t)) for c, t in obs}
+
+
+def _torch_columns(batch: ConduitBatch):
+    return {k: dlpack.jax_to_torch(v).numpy() if v.dtype != jnp.bfloat16 else None for k, v in batch.take().items()}
+
+
+@pytest.mark.parametrize("cls", ["ConduitPrioritizedEpisodeReplayBuffer", "ConduitEpisodeReplayBuffer"])
+def test_buffer_n_step_transitions_match_reference(cls):
+    gamma = 0.9
+    buffer = getattr(conduit_rllib, cls)(capacity=64, n_step=3, alpha=0.6, beta=0.4, deliver="torch", seed=1)
+    buffer.add(_episodes()[:3])
+    buffer.add(_episodes()[3:])
+    total = sum(length for _, length, _ in CHUNKS)
+    assert len(buffer) == total and buffer.get_added_timesteps() == total
+    seen = set()
+    for _ in range(20):
+        batch = buffer.sample(num_items=32, n_step=3, gamma=gamma, beta=0.4)
+        assert isinstance(batch, ConduitBatch) and len(batch) == 32
+        columns = _torch_columns(batch)
+        assert columns["weights"].dtype == np.float32 and np.all(columns["weights"] > 0)
+        assert np.all(columns["weights"] <= 1.0)
+        seen |= _check_transitions(columns, 3, gamma)
+        if buffer._prioritized:
+            buffer.update_priorities(np.ones(32, np.float32))
+    # every start whose 3-step window has been written is drawn (the stream's last 2 steps are not starts yet)
+    starts = {(c, t) for c, length, _ in CHUNKS for t in range(length)}
+    starts -= {(5, 5), (5, 6)}
+    assert seen == starts
+    # a shorter n-step from the same windows, and a per-item range
+    _check_transitions(_torch_columns(buffer.sample(num_items=32, n_step=2, gamma=gamma)), 2, gamma)
+    batch = buffer.sample(num_items=32, n_step=(1, 4), gamma=gamma)
+    columns = _torch_columns(batch)
+    assert set(np.unique(columns["n_step"])) <= {1, 2, 3}
+    with pytest.raises(ValueError, match="n_step"):
+        buffer.sample(num_items=32, n_step=4, gamma=gamma)
+
+
+def test_buffer_returns_rllib_episodes_and_n_step_one():
+    buffer = conduit_rllib.ConduitPrioritizedEpisodeReplayBuffer(capacity=32, alpha=0.6, beta=0.4)  # n_step 1
+    buffer.add(_episodes())
+    episodes = buffer.sample(num_items=16, n_step=1, gamma=0.5, beta=0.4, sample_episodes=True)
+    assert len(episodes) == 16 and all(isinstance(e, SingleAgentEpisode) and len(e) == 1 for e in episodes)
+    columns = {"obs": np.stack([e.get_observations(0) for e in episodes]),
+               "new_obs": np.stack([e.get_observations(1) for e in episodes]),
+               "rewards": np.array([e.get_rewards(0) for e in episodes]),
+               "actions": np.array([e.get_actions(0) for e in episodes]),
+               "terminateds": np.array([e.is_terminated for e in episodes]),
+               "truncateds": np.array([e.is_truncated for e in episodes]),
+               "n_step": np.array([e.get_extra_model_outputs("n_step", 0) for e in episodes])}
+    _check_transitions(columns, 1, 0.5)
+    weights = np.array([e.get_extra_model_outputs("weights", 0) for e in episodes])
+    assert np.all((weights > 0) & (weights <= 1))
+    metrics = buffer.get_metrics()
+    assert metrics["num_env_steps_added_lifetime"] == sum(length for _, length, _ in CHUNKS)
+
+
+def test_prioritized_buffer_follows_priorities_and_beta():
+    buffer = conduit_rllib.ConduitPrioritizedEpisodeReplayBuffer(capacity=64, alpha=1.0, beta=0.5, deliver="torch")
+    buffer.add(_episodes())
+    batch = _torch_columns(buffer.sample(num_items=64, beta=0.5))
+    # one item gets all the priority: (almost) every later draw is that item
+    target = tuple(batch["obs"][0])
+    priorities = np.where((batch["obs"] == target).all(axis=1), 1000.0, 1e-3)
+    buffer.update_priorities(priorities)
+    later = _torch_columns(buffer.sample(num_items=64, beta=1.0))
+    assert np.mean((later["obs"] == target).all(axis=1)) > 0.9
+    buffer.update_priorities(np.ones(64))
+    with pytest.raises(ValueError, match="no batch sampled"):
+        buffer.update_priorities(np.ones(64))
+    # beta rescaling: w(beta) = w(beta0) ** (beta / beta0), and beta 0 gives ones
+    state = buffer.get_state()
+    twin = conduit_rllib.ConduitPrioritizedEpisodeReplayBuffer(capacity=64, alpha=1.0, beta=0.5, deliver="torch")
+    twin.set_state(state)
+    w_half = _torch_columns(buffer.sample(num_items=64, beta=0.5))["weights"]
+    w_one = _torch_columns(twin.sample(num_items=64, beta=1.0))["weights"]
+    np.testing.assert_allclose(w_one, w_half ** 2, rtol=1e-5)
+    assert np.all(_torch_columns(buffer.sample(num_items=64, beta=0.0))["weights"] == 1.0)
+
+
+def test_uniform_buffer_has_unit_weights_and_no_priorities():
+    buffer = conduit_rllib.ConduitEpisodeReplayBuffer(capacity=64, deliver="torch")
+    buffer.add(_episodes())
+    assert np.all(_torch_columns(buffer.sample(num_items=8))["weights"] == 1.0)
+    with pytest.raises(NotImplementedError):
+        buffer.update_priorities(np.ones(8))
+
+
+def test_buffer_state_round_trip_and_files(tmp_path):
+    buffer = conduit_rllib.ConduitPrioritizedEpisodeReplayBuffer(capacity=32, n_step=2, alpha=0.6, deliver="torch")
+    buffer.add(_episodes())
+    buffer.sample(num_items=8, n_step=2)
+    buffer.update_priorities(np.linspace(0.1, 3.0, 8))
+    state = buffer.get_state()
+
+    def leaves(value):
+        if isinstance(value, dict):
+            return [x for v in value.values() for x in leaves(v)]
+        if isinstance(value, list):
+            return [x for v in value for x in leaves(v)]
+        return [value]
+
+    assert all(isinstance(x, (np.ndarray, int, float, str, bool, type(None))) for x in leaves(state))
+    conduit_rllib.save_buffer(buffer, tmp_path / "buf")
+    restored = conduit_rllib.ConduitPrioritizedEpisodeReplayBuffer(capacity=32, n_step=2, alpha=0.6, deliver="torch")
+    conduit_rllib.load_buffer(restored, tmp_path / "buf")
+    assert len(restored) == len(buffer) and restored.get_added_timesteps() == buffer.get_added_timesteps()
+    again = restored.get_state()
+    for key, value in state["arrays"].items():
+        np.testing.assert_array_equal(again["arrays"][key], value)
+    # the random stream continues: both draw the same next batch
+    a = _torch_columns(buffer.sample(num_items=8, n_step=2))
+    b = _torch_columns(restored.sample(num_items=8, n_step=2))
+    for key in a:
+        np.testing.assert_array_equal(a[key], b[key])
+    # a buffer configured differently, a corrupted file and a missing checkpoint are refused
+    other = conduit_rllib.ConduitPrioritizedEpisodeReplayBuffer(capacity=64, n_step=2, alpha=0.6)
+    with pytest.raises(ValueError, match="configured differently"):
+        other.set_state(state)
+    payload = (tmp_path / "buf" / "arrays.npz").read_bytes()
+    (tmp_path / "buf" / "arrays.npz").write_bytes(payload[: len(payload) // 2])
+    with pytest.raises(conduit_rllib.BufferCheckpointError):
+        conduit_rllib.load_buffer(restored, tmp_path / "buf")
+    with pytest.raises(conduit_rllib.BufferCheckpointError):
+        conduit_rllib.load_buffer(restored, tmp_path / "nothing")
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# PPO pieces, without Ray running
+# ------------------------------------------------------------------------------------------------------------------
+def test_gae_matches_rllib():
+    from ray.rllib.utils.postprocessing.value_predictions import compute_value_targets
+
+    from conduit_rllib.ppo import gae
+
+    rng = np.random.default_rng(0)
+    n, size = 300, 512
+    values = rng.normal(size=n).astype(np.float32)
+    rewards = rng.normal(size=n).astype(np.float32)
+    terminateds = rng.random(n) < 0.05
+    truncateds = (rng.random(n) < 0.05) & ~terminateds
+    targets_ref = compute_value_targets(values, rewards, terminateds.astype(np.float32),
+                                        truncateds.astype(np.float32), gamma=0.97, lambda_=0.9)
+    advantages_ref = targets_ref - values
+    advantages_ref = (advantages_ref - advantages_ref.mean()) / max(1e-4, advantages_ref.std())
+
+    def pad(x):
+        out = np.zeros(size, x.dtype)
+        out[:n] = x
+        return out
+
+    advantages, targets = gae(pad(values), pad(rewards), pad(terminateds), pad(truncateds), np.int32(n), gamma=0.97,
+                              lambda_=0.9)
+    np.testing.assert_allclose(np.asarray(targets)[:n], targets_ref, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(advantages)[:n], advantages_ref, rtol=1e-4, atol=1e-4)
+
+
+def test_epoch_staging_covers_every_row_each_epoch():
+    from ray.rllib.policy.sample_batch import SampleBatch
+
+    from conduit_rllib.ppo import EpochStaging
+
+    n, minibatch = 70, 16  # 5 minibatches per epoch: 80 rows, the first 10 twice
+    batch = SampleBatch({"row": torch.arange(n, dtype=torch.int32), "obs": torch.randn(n, 3),
+                         "loss_mask": torch.ones(n, dtype=torch.bool), "big": torch.arange(n, dtype=torch.int64)})
+    staging = EpochStaging(seed=3)
+    batches = list(staging.minibatches("p", batch, num_epochs=2, minibatch_size=minibatch, device=torch.device("cpu")))
+    assert len(batches) == 10
+    for epoch in (batches[:5], batches[5:]):
+        rows = torch.cat([b.policy_batches["p"]["row"] for b in epoch]).numpy()
+        counts = np.bincount(rows, minlength=n)
+        assert counts[:10].tolist() == [2] * 10 and counts[10:].tolist() == [1] * (n - 10)
+    first = batches[0].policy_batches["p"]
+    np.testing.assert_array_equal(first["obs"].numpy(), batch["obs"][first["row"].long()].numpy())
+    assert first["big"].dtype == torch.int32  # int64 narrowed (x64 off)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# RLlib algorithms with the Conduit path (one Ray session)
+# ------------------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="session")
+def ray_session(tmp_path_factory):
+    import ray
+
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    temp_dir = tmp_path_factory.mktemp("ray")
+    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=str(temp_dir), log_to_driver=False,
+             configure_logging=False)
+    yield
+    ray.shutdown()
+
+
+def _dqn_config(deliver: str, store: bool = False):
+    from ray.rllib.algorithms.dqn import DQNConfig
+
+    return (DQNConfig(algo_class=conduit_rllib.ConduitDQN)
+            .environment("CartPole-v1")
+            .env_runners(num_env_runners=0, rollout_fragment_length=16)
+            .training(train_batch_size=32, num_steps_sampled_before_learning_starts=32, n_step=3,
+                      learner_class=conduit_rllib.ConduitDQNTorchLearner, store_buffer_in_checkpoints=store,
+                      replay_buffer_config={"type": "conduit_rllib.ConduitPrioritizedEpisodeReplayBuffer",
+                                            "capacity": 2000, "alpha": 0.6, "beta": 0.4, "n_step": 3,
+                                            "deliver": deliver})
+            .reporting(min_sample_timesteps_per_iteration=64)
+            .debugging(seed=0))
+
+
+def _trained_steps(result) -> int:
+    return int(result["learners"]["default_policy"]["num_module_steps_trained_lifetime"])
+
+
+def test_dqn_prioritized_trains_through_dlpack(ray_session):
+    algo = _dqn_config("torch").build_algo()
+    try:
+        for _ in range(2):
+            result = algo.train()
+        buffer = algo.local_replay_buffer
+        assert isinstance(buffer, conduit_rllib.ConduitPrioritizedEpisodeReplayBuffer)
+        assert len(buffer) == result["num_env_steps_sampled_lifetime"] == 128
+        assert _trained_steps(result) > 0
+        assert algo.learner_group._learner.conduit_batch_seconds > 0  # batches came through DLPack
+        assert buffer.timings["update_priorities"] > 0  # RLlib called update_priorities with TD errors
+        assert buffer.plane.stats()["priority_updates_ignored"] == 0
+        assert result["replay_buffer"]["num_env_steps_added_lifetime"] == 128
+    finally:
+        algo.stop()
+
+
+def test_sac_trains_with_conduit_buffers(ray_session):
+    for deliver, buffer_type in (("episodes", "ConduitEpisodeReplayBuffer"),
+                                 ("torch", "ConduitPrioritizedEpisodeReplayBuffer")):
+        config = (conduit_rllib.ConduitSACConfig()
+                  .environment("Pendulum-v1")
+                  .env_runners(num_env_runners=0, rollout_fragment_length=16)
+                  .training(train_batch_size=32, num_steps_sampled_before_learning_starts=32,
+                            learner_class=conduit_rllib.ConduitSACTorchLearner,
+                            replay_buffer_config={"type": f"conduit_rllib.{buffer_type}", "capacity": 2000,
+                                                  "alpha": 0.6, "beta": 0.4, "deliver": deliver})
+                  .reporting(min_sample_timesteps_per_iteration=32)
+                  .debugging(seed=0))
+        algo = config.build_algo()
+        try:
+            for _ in range(2):
+                result = algo.train()
+            assert type(algo.local_replay_buffer).__name__ == buffer_type
+            assert len(algo.local_replay_buffer) > 0
+            assert _trained_steps(result) > 0
+            assert np.isfinite(result["learners"]["default_policy"]["qf_loss"])
+        finally:
+            algo.stop()
+
+
+def test_ppo_trains_with_conduit_staging(ray_session):
+    from ray.rllib.algorithms.ppo import PPOConfig
+
+    config = (PPOConfig()
+              .environment("CartPole-v1")
+              .env_runners(num_env_runners=0, rollout_fragment_length=64)
+              .training(train_batch_size=128, minibatch_size=32, num_epochs=2,
+                        learner_class=conduit_rllib.ConduitPPOTorchLearner)
+              .debugging(seed=0))
+    algo = config.build_algo()
+    try:
+        for _ in range(2):
+            result = algo.train()
+        learner = algo.learner_group._learner
+        pieces = [type(p).__name__ for p in learner._learner_connector.connectors]
+        assert pieces[-1] == "ConduitGAE" and "GeneralAdvantageEstimation" not in pieces
+        assert learner._conduit_gae.seconds > 0 and learner._conduit_staging.seconds > 0
+        assert _trained_steps(result) >= 2 * 2 * 128  # 2 iterations x 2 epochs x >= 128 rows
+        assert np.isfinite(result["learners"]["default_policy"]["policy_loss"])
+    finally:
+        algo.stop()
+
+
+def test_buffer_survives_save_and_restore(ray_session, tmp_path):
+    from ray.rllib.algorithms.algorithm import Algorithm
+
+    config = _dqn_config("episodes", store=True)
+    algo = config.build_algo()
+    try:
+        algo.train()
+        state = algo.local_replay_buffer.get_state()
+        path = algo.save(str(tmp_path / "ckpt")).checkpoint.path
+        assert (pathlib.Path(path) / "conduit_replay_buffer" / "buffer.json").is_file()
+    finally:
+        algo.stop()
+    for restored in (lambda: _restore(config, path), lambda: Algorithm.from_checkpoint(path)):
+        other = restored()
+        try:
+            again = other.local_replay_buffer.get_state()
+            for key, value in state["counters"].items():
+                np.testing.assert_array_equal(again["counters"][key], value)
+            for key, value in state["arrays"].items():
+                np.testing.assert_array_equal(again["arrays"][key], value)
+            assert len(other.local_replay_buffer) == 64
+        finally:
+            other.stop()
+
+
+def _restore(config, path):
+    algo = config.build_algo()
+    algo.restore(path)
+    return algo
