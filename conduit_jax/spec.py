@@ -143,7 +143,7 @@ class ExperienceSpec:
                 parts.append(f"structure {treedef} but the spec says {self.treedef}")
             raise SpecError(f"{where}: batch has " + " and ".join(parts) + f"; the spec is {self}")
         problems, counts = [], []
-        for (path, leaf), name, shape, dtype in zip(flat, self.names, self.shapes, self.dtypes):
+        for (_, leaf), name, shape, dtype in zip(flat, self.names, self.shapes, self.dtypes):
             if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
                 problems.append(f"leaf '{name}' is a {type(leaf).__name__}, expected an array with a leading item axis")
                 continue
