@@ -87,6 +87,10 @@ class ExperienceDataPlane:
         # the same arithmetic the kernels do; reading them from the device would wait for every batch in flight.
         # None: unknown (fresh state assigned from outside), read from the device once.
         self._counters: Optional[dict[str, Optional[int]]] = None
+        # XLA:CPU runs the collectives of an emulated multi-device mesh in-process; with many multi-device programs
+        # queued on few cores one device's part can miss the rendezvous and XLA aborts the process (seen here after
+        # ~300 back-to-back priority updates on 8 emulated devices). There, each kernel completes before the next.
+        self._one_at_a_time = self.num_shards > 1 and self.mesh.devices.flat[0].platform == "cpu"
         self._build_kernels()
         self._compiles: collections.Counter = collections.Counter()  # kernel name -> XLA compilations
         self.timeline = metrics.Timeline()  # wall-clock spans per stage (see metrics.py)
@@ -177,7 +181,7 @@ class ExperienceDataPlane:
                     # compile once per batch size)
                     block, packed = self.config.layout.pack_host(leaves, start, m, rows), True
                 with self._counting_compiles(f"ingest[{rows}{',packed' if packed else ''}]"):
-                    self._state = self._ingest_kernel(rows, packed)(self._state, block, np.int32(m))
+                    self._state = self._settled(self._ingest_kernel(rows, packed)(self._state, block, np.int32(m)))
             self._count_ingest(n)
             self.timeline.record("ingest", start_time, time.perf_counter())
             self._changed.notify_all()
@@ -227,7 +231,7 @@ class ExperienceDataPlane:
             start_time = time.perf_counter()
             state = self._state
             with self._counting_compiles("sample"):
-                rest, delivery = self._sample_kernel(state.storage, _replace(state, storage=None))
+                rest, delivery = self._settled(self._sample_kernel(state.storage, _replace(state, storage=None)))
             self._state = _replace(rest, storage=state.storage)
             self._count_sample()
             self.timeline.record("sample", start_time, time.perf_counter())
@@ -320,6 +324,10 @@ class ExperienceDataPlane:
                                       f"{self.batch_size} now (plane holds {status['size']} items); ingest more first")
         return None
 
+    def _settled(self, outputs):
+        """``outputs`` of a kernel call, waited for on an emulated CPU mesh (see ``_one_at_a_time``)."""
+        return jax.block_until_ready(outputs) if self._one_at_a_time else outputs
+
     def _known(self, need_deliverable: bool = False) -> dict[str, Optional[int]]:
         """The host copy of the status scalars, read from the device only when unknown. A sampler whose deliverable
         count is not plain arithmetic on inserts and samples (an eligibility index) is read each time it is needed."""
@@ -398,7 +406,8 @@ class ExperienceDataPlane:
         with self._changed:
             state = self._state
             with self._counting_compiles("update"):
-                (rest,) = self._update_kernel(state.storage, _replace(state, storage=None), ids_pad, prio_pad, valid)
+                (rest,) = self._settled(self._update_kernel(state.storage, _replace(state, storage=None), ids_pad,
+                                                            prio_pad, valid))
             self._state = _replace(rest, storage=state.storage)
             self.timeline.record("update", start_time, time.perf_counter())
 
@@ -457,7 +466,8 @@ class ExperienceDataPlane:
                                   f"got {version}")
             state = self._state
             with self._counting_compiles("version"):
-                (rest,) = self._version_kernel(state.storage, _replace(state, storage=None), np.int32(version))
+                (rest,) = self._settled(self._version_kernel(state.storage, _replace(state, storage=None),
+                                                             np.int32(version)))
             self._state = _replace(rest, storage=state.storage)
             if self._counters is not None and self.sampler.deliverable is not None and not self.sampler.consumes:
                 self._counters["deliverable"] = None  # retired items can empty an eligibility index

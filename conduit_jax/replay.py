@@ -143,6 +143,9 @@ def ingest(config: ReplayConfig, state: ReplayState, batch, n, *, packed: bool =
 # ------------------------------------------------------------------------------------------------------------------
 # sample
 # ------------------------------------------------------------------------------------------------------------------
+CACHE_RESIDENT_BYTES = 16 << 20  # a ring this small stays in the last-level cache while it is sampled
+
+
 def sample(config: ReplayConfig, state: ReplayState) -> tuple[ReplayState, Delivery]:
     """Draw one batch; returns the new state and the delivery. The new state's storage is ``state.storage`` itself:
     jit callers must not return it (an unchanged buffer returned from a jitted step is copied whole), so the shell's
@@ -152,10 +155,12 @@ def sample(config: ReplayConfig, state: ReplayState) -> tuple[ReplayState, Deliv
     specs = partition_specs(config)
     layout, num_shards, window = config.layout, config.num_shards, config.sampler.window
     time_axis = config.sampler.time_axis
-    # one shard: each leaf is gathered straight from its words of the ring, so every byte is copied once (measured
-    # faster than gathering packed rows and unpacking them, for W1 items, PPO rollouts and image frames alike).
+    # One shard: gather each leaf straight from its words of the ring (every byte copied once) when rows are wide
+    # (image frames: each leaf is a long sequential read) or the ring is cache-resident (PPO rollouts); narrow rows
+    # of a ring in DRAM are gathered whole (one random access per item instead of one per leaf) and unpacked.
     # Several shards: packed rows with ids and weights appended travel in one reduce-scatter.
-    direct = num_shards == 1
+    ring_bytes = config.shard_capacity * layout.row_bytes
+    direct = num_shards == 1 and (layout.row_bytes >= 1024 or ring_bytes <= CACHE_RESIDENT_BYTES)
 
     def per_shard(state: ReplayState):
         st = state.storage
@@ -177,15 +182,14 @@ def sample(config: ReplayConfig, state: ReplayState) -> tuple[ReplayState, Deliv
         if direct:
             return sampler_state, layout.gather_leaves(st.rows, steps), extra
         rows = storage.gather(st.rows, steps).reshape(slots.shape[0], window * layout.row_words)
-        packed = jnp.concatenate([rows, extra], axis=1)
         if sel.owner is not None and num_shards > 1:
             # every shard drew the same global batch; owners keep their rows, a reduce-scatter deals the blocks
+            packed = jnp.concatenate([rows, extra], axis=1)
             packed = jnp.where((sel.owner == view.shard_index)[:, None], packed, jnp.uint32(0))
             packed = lax.psum_scatter(packed, config.axes, scatter_dimension=0, tiled=True)
-        words = layout.row_words * window
-        data = packed[:, :words]
-        data = layout.unpack(data.reshape(-1, window, layout.row_words) if time_axis else data)
-        return sampler_state, data, packed[:, words:]
+            rows, extra = packed[:, :rows.shape[1]], packed[:, rows.shape[1]:]
+        data = layout.unpack(rows.reshape(-1, window, layout.row_words) if time_axis else rows)
+        return sampler_state, data, extra
 
     batch_specs = jax.tree_util.tree_map(lambda _: P(config.axes), layout.spec.structs)
     sampler_state, data, extra = _shard_mapped(config, per_shard, (specs,),
