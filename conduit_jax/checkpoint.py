@@ -546,8 +546,8 @@ def restore(directory, *, step: Optional[int] = None, mesh: Optional[Mesh] = Non
     saved_capacity = _field(meta, "capacity", int, where)
     if capacity is not None and capacity != saved_capacity:
         raise CheckpointError(f"{where}: the checkpoint holds capacity {saved_capacity}, not the given {capacity}")
-    sampler = _sampler(meta, sampler, where)
-    limiter = _limiter(meta, limiter, where)
+    sampler = _policy(meta, sampler, where, "sampler")
+    limiter = _policy(meta, limiter, where, "limiter")
     staleness = meta.get("staleness")
     if staleness is not None:
         staleness = limits.Staleness(_field(staleness, "max_versions", int, where), _field(staleness, "key", str,
@@ -908,48 +908,30 @@ def _params_json(params) -> dict:
     return {str(k): (list(v) if isinstance(v, tuple) else v) for k, v in params}
 
 
-def _sampler(meta, given, where):
-    recorded = meta.get("sampler")
+def _policy(meta, given, where: str, kind: str):
+    """The sampler or limiter (``kind``) to restore with: the given one if it matches what the checkpoint recorded
+    (else a ``CheckpointError`` saying what differs), or one rebuilt from the recorded constructor arguments."""
+    module, cls = {"sampler": (samplers, samplers.Sampler), "limiter": (limits, limits.Limiter)}[kind]
+    recorded = meta.get(kind)
     if not isinstance(recorded, dict) or not isinstance(recorded.get("name"), str) or \
             not isinstance(recorded.get("params"), dict):
-        raise CheckpointError(f"{where}: the metadata records no sampler")
+        raise CheckpointError(f"{where}: the metadata records no {kind}")
     if given is not None:
-        if not isinstance(given, samplers.Sampler):
-            raise ConfigError(f"{where}: sampler must be a samplers.Sampler, got {type(given).__name__}")
+        if not isinstance(given, cls):
+            raise ConfigError(f"{where}: {kind} must be a {module.__name__.split('.')[-1]}.{cls.__name__}, got "
+                              f"{type(given).__name__}")
         mine = {"name": given.name, "params": _params_json(given.params)}
         if json.loads(json.dumps(mine)) != recorded:
-            raise CheckpointError(f"{where}: the checkpoint was saved with sampler {recorded['name']}"
+            raise CheckpointError(f"{where}: the checkpoint was saved with {kind} {recorded['name']}"
                                   f"({_describe(recorded['params'])}), not the given {given.name}"
                                   f"({_describe(mine['params'])})")
         return given
     try:
-        return samplers.from_params(recorded["name"], recorded["params"])
+        return module.from_params(recorded["name"], recorded["params"])
     except ConfigError as exc:
         raise CheckpointError(f"{where}: {exc}") from None
     except TypeError as exc:
-        raise CheckpointError(f"{where}: the recorded sampler parameters do not fit samplers."
-                              f"{recorded['name']}(): {exc}") from None
-
-
-def _limiter(meta, given, where):
-    recorded = meta.get("limiter")
-    if not isinstance(recorded, dict) or not isinstance(recorded.get("name"), str) or \
-            not isinstance(recorded.get("params"), dict):
-        raise CheckpointError(f"{where}: the metadata records no limiter")
-    if given is not None:
-        if not isinstance(given, limits.Limiter):
-            raise ConfigError(f"{where}: limiter must be a limits.Limiter, got {type(given).__name__}")
-        mine = {"name": given.name, "params": _params_json(given.params)}
-        if json.loads(json.dumps(mine)) != recorded:
-            raise CheckpointError(f"{where}: the checkpoint was saved with limiter {recorded['name']}, not the given "
-                                  f"{given.name} (the limiter's balance is kept in its own units)")
-        return given
-    try:
-        return limits.from_params(recorded["name"], recorded["params"])
-    except ConfigError as exc:
-        raise CheckpointError(f"{where}: {exc}") from None
-    except TypeError as exc:
-        raise CheckpointError(f"{where}: the recorded limiter parameters do not fit {recorded['name']}: {exc}") \
+        raise CheckpointError(f"{where}: the recorded {kind} parameters do not fit {recorded['name']}: {exc}") \
             from None
 
 
