@@ -2,7 +2,9 @@
 
 The shell owns the state pytree, the compiled kernels (one ingest kernel per batch-size bucket, one sample kernel)
 and donation; it validates every input on the host before anything touches state, so a rejected call leaves the
-state exactly as it was. Everything that must survive a checkpoint is in ``plane.state``.
+state exactly as it was. Everything that must survive a checkpoint is in ``plane.state``; the shell's own host-side
+values are either derived from it (the status counters) or transient delivery bookkeeping (batches in flight,
+deferred updates), which ``save()`` settles first.
 """
 
 from __future__ import annotations
@@ -68,6 +70,10 @@ class ExperienceDataPlane:
             raise ConfigError(f"ExperienceDataPlane(): limiter must be a limits.Limiter (e.g. "
                               f"limits.sample_to_insert_ratio(...)), got {type(self.limiter).__name__}")
         self.limiter.check(self.sampler.batch_size)
+        self.schedule = schedule_lib.sync() if schedule is None else schedule
+        if not isinstance(self.schedule, schedule_lib.Schedule):
+            raise ConfigError(f"ExperienceDataPlane(): schedule must be a schedule.* policy (e.g. "
+                              f"schedule.overlap(2)), got {type(self.schedule).__name__}")
         if plan is not None and mesh is not None:
             raise ConfigError("ExperienceDataPlane(): pass mesh or plan, not both (a plan brings its mesh: "
                               "plan.mesh())")
@@ -95,10 +101,6 @@ class ExperienceDataPlane:
         self._compiles: collections.Counter = collections.Counter()  # kernel name -> XLA compilations
         self.timeline = metrics.Timeline()  # wall-clock spans per stage (see metrics.py)
         self._changed = threading.Condition()  # guards state; notified after every ingest and sample
-        self.schedule = schedule_lib.sync() if schedule is None else schedule
-        if not isinstance(self.schedule, schedule_lib.Schedule):
-            raise ConfigError(f"ExperienceDataPlane(): schedule must be a schedule.* policy (e.g. "
-                              f"schedule.overlap(2)), got {type(self.schedule).__name__}")
         self._in_flight: collections.deque = collections.deque()  # dispatched, not yet delivered batches
         self._queued_updates: collections.deque = collections.deque()  # (step, ids, priorities), deferred policy
         self._depth = self.schedule.depth  # current prefetch depth (moves under the adaptive policy)
@@ -129,6 +131,7 @@ class ExperienceDataPlane:
         with self._changed:
             self._state = value
             self._counters = None
+
     @property
     def capacity(self) -> int:
         return self.config.capacity
