@@ -189,10 +189,11 @@ def verdict(report: dict) -> list[str]:
         f"Why not 97% here: (1) {cores} shared CPU cores: XLA:CPU runs the sample kernel on the same cores as the "
         "learner's step (and small kernels inline on the dispatching thread), so 'overlap' hides less than on a GPU, "
         "whose host thread is free while the device computes; (2) deliver() does host work on the critical path that "
-        "no prefetch hides: dispatching the replacement batch (lock, refusal check, kernel launch: tens of us), under "
-        "'deferred' the coalesced priority update, under 'adaptive' a Timeline.summary() per call, and with a "
-        "sample-limiting limiter (PPO) a device read of the limiter balance that waits for every batch in flight. "
-        "Where the remaining exposed time is this fixed host cost, a 97% cut needs a sync baseline ~30x larger.")
+        "no prefetch hides: dispatching the replacement batch (lock, refusal check, kernel launch: tens of us) and, "
+        "for on-policy data, re-checking the batch against the current policy version (a few small dispatches); the "
+        "first minibatch after a rollout is ingested cannot be prefetched at all (the rate limiter admits it only "
+        "once the rollout is in). Where the remaining exposed time is this fixed host cost, a 97% cut needs a sync "
+        "baseline ~30x larger.")
     return out
 
 
