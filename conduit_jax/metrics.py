@@ -16,9 +16,6 @@ from typing import Optional
 
 import numpy as np
 
-STAGES = ("ingest", "sample", "update", "exposed", "learner")
-
-
 class Timeline:
     """A bounded record of spans: (stage, start, end) in seconds from the timeline's creation."""
 

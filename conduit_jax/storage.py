@@ -19,7 +19,7 @@ samplers rely on:
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple, Optional
+from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -249,11 +249,3 @@ def bucket_size(n: int, num_shards: int, shard_capacity: int) -> int:
     """
     per_shard = -(-n // num_shards)
     return min(1 << max(0, math.ceil(math.log2(per_shard))), shard_capacity)
-
-
-def storage_bytes(layout: RowLayout, capacity: int) -> int:
-    return layout.row_bytes * capacity
-
-
-def describe(layout: RowLayout) -> dict[str, Any]:
-    return {"row_words": layout.row_words, "row_bytes": layout.row_bytes, "item_bytes": layout.spec.item_bytes}
