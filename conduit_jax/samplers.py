@@ -15,7 +15,6 @@ the same stream.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Any, Callable, NamedTuple, Optional
 
@@ -24,7 +23,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from conduit_jax import storage, sumtree
-from conduit_jax._pytree import state_dataclass
+from conduit_jax._pytree import replace, state_dataclass
 from conduit_jax.errors import ConfigError
 
 
@@ -304,8 +303,8 @@ def _as_schedule(value, name: str):
 def _priority_sampler(name: str, batch_size: int, alpha: float, beta, eps: float, on_insert,
                       max_times_sampled: Optional[int]) -> Sampler:
     """The sum-tree sampler shared by item and sequence replay; ``on_insert`` decides which slots become eligible.
-    With ``max_times_sampled`` k, an item's mass drops to 0 once it has been delivered k times (duplicates inside one
-    batch count separately, but one batch may still hold an item more often than it has deliveries left)."""
+    With ``max_times_sampled`` k, an item's mass drops to 0 once it has been delivered k times; draws of one batch past
+    an item's remaining budget are marked as not delivered (``Delivery.mask`` False) and do not count."""
     beta_at = _as_schedule(beta, "beta")
     if max_times_sampled is not None and (not isinstance(max_times_sampled, int) or max_times_sampled < 1):
         raise ConfigError(f"samplers.{name}(): max_times_sampled must be an int >= 1 or None, got "
@@ -323,7 +322,7 @@ def _priority_sampler(name: str, batch_size: int, alpha: float, beta, eps: float
         if max_times_sampled is None:
             return state
         fresh = jnp.where(view.valid, view.slots, view.shard_capacity)
-        return _replace_state(state, times_sampled=state.times_sampled.at[fresh].set(0, mode="drop"))
+        return replace(state, times_sampled=state.times_sampled.at[fresh].set(0, mode="drop"))
 
     def sample(state: PriorityState, view: ShardView):
         masses = _all_shards(sumtree.total(state.levels), view)
@@ -334,7 +333,7 @@ def _priority_sampler(name: str, batch_size: int, alpha: float, beta, eps: float
         owner, local, _ = sumtree.pick(jnp.broadcast_to(masses, (batch_size, view.num_shards)), targets)
         slot, leaf = sumtree.descend(state.levels, local)
         probability = leaf / mass
-        new_state = _replace_state(state, counter=state.counter + 1)
+        new_state = replace(state, counter=state.counter + 1)
         keep = None
         if max_times_sampled is not None:
             # a batch may draw an item more often than it has deliveries left: the draws past its budget are not
@@ -347,7 +346,7 @@ def _priority_sampler(name: str, batch_size: int, alpha: float, beta, eps: float
             counts = state.times_sampled.at[jnp.where(mine & keep, slot, view.shard_capacity)].add(1, mode="drop")
             spent = mine & (counts.at[slot].get(mode="promise_in_bounds") >= max_times_sampled)
             levels = sumtree.set_leaves(state.levels, slot, jnp.zeros_like(leaf), spent)
-            new_state = _replace_state(new_state, levels=levels, times_sampled=counts)
+            new_state = replace(new_state, levels=levels, times_sampled=counts)
         return new_state, Selection(slot, owner, probability, keep)
 
     def weigh(state: PriorityState, probability, size):
@@ -369,12 +368,12 @@ def _priority_sampler(name: str, batch_size: int, alpha: float, beta, eps: float
         ignored = jnp.sum(mine & ~live).astype(jnp.int32)
         if view.num_shards > 1:
             top, ignored = lax.pmax(top, view.axes), lax.psum(ignored, view.axes)
-        return _replace_state(state, levels=levels, max_priority=jnp.maximum(state.max_priority, top),
+        return replace(state, levels=levels, max_priority=jnp.maximum(state.max_priority, top),
                               ignored_updates=state.ignored_updates + ignored)
 
     def retire(state: PriorityState, slots, stale):
         """Zero the mass of ``slots`` where ``stale``: they are never drawn again (until rewritten)."""
-        return _replace_state(state, levels=sumtree.set_leaves(state.levels, slots, jnp.zeros(slots.shape), stale))
+        return replace(state, levels=sumtree.set_leaves(state.levels, slots, jnp.zeros(slots.shape), stale))
 
     return Sampler(name=name, batch_size=batch_size, min_items=1, init=init,
                    on_insert=insert, sample=sample, update=update, weigh=weigh, retire=retire,
@@ -390,10 +389,6 @@ def _mass(priority, alpha: float, eps: float):
 def _has_mass(state: PriorityState, size):
     """1 while some item or window can still be drawn (its mass is positive), else 0."""
     return (sumtree.total(state.levels) > 0).astype(jnp.int32)
-
-
-def _replace_state(state, **changes):
-    return dataclasses.replace(state, **changes)
 
 
 def prioritized(batch_size: int, alpha: float = 0.6, beta=0.4, eps: float = 1e-6,
@@ -415,7 +410,7 @@ def prioritized(batch_size: int, alpha: float = 0.6, beta=0.4, eps: float = 1e-6
         value = _mass(state.max_priority, alpha, eps)
         levels = sumtree.set_run(state.levels, view.slots[0], jnp.full(view.slots.shape, value), view.valid,
                                  view.shard_capacity)
-        return _replace_state(state, levels=levels)
+        return replace(state, levels=levels)
 
     return _priority_sampler("prioritized", batch_size, alpha, beta, eps, on_insert, max_times_sampled)._replace(
         params=_params(batch_size=batch_size, alpha=alpha, beta=beta, eps=eps, max_times_sampled=max_times_sampled))
@@ -481,7 +476,7 @@ def sequences(batch_size: int, length: int, streams: int, *, burn_in: int = 0, p
         # keeps mass 0: it was zeroed when its own row was written and no window has completed there since
         levels = sumtree.set_run(levels, members[0, 0], jnp.where(eligible, value, 0.0), view.valid,
                                  view.shard_capacity)
-        return _replace_state(state, levels=levels)
+        return replace(state, levels=levels)
 
     def mask(data):
         """True for the steps of the window's first episode: every step up to and including the first end."""
