@@ -21,7 +21,6 @@ import json
 import time
 from typing import Any, NamedTuple, Optional
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -30,6 +29,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from conduit_jax import ExperienceDataPlane, ExperienceSpec, default_mesh, samplers, transforms
+from conduit_jax.demo import LearnerState, QNetwork
 from experiments import SCHEDULES, IterationClock, envs, format_result, make_schedule
 
 
@@ -71,22 +71,8 @@ class DQNConfig:
         return self.total_env_steps // self.items_per_iteration
 
 
-class QNetwork(nn.Module):
-    num_actions: int
-    hidden: int
-
-    @nn.compact
-    def __call__(self, obs):
-        x = nn.relu(nn.Dense(self.hidden)(obs))
-        x = nn.relu(nn.Dense(self.hidden)(x))
-        return nn.Dense(self.num_actions)(x)
-
-
-class Learner(NamedTuple):
-    params: Any
-    target_params: Any
-    opt_state: Any
-    step: jax.Array  # int32[]
+# the same Q-network and learner state as the `conduit demo` learner
+Learner = LearnerState
 
 
 class Actors(NamedTuple):
