@@ -326,7 +326,11 @@ def add_common_arguments(parser: argparse.ArgumentParser, defaults) -> None:
     parser.add_argument("--progress", action="store_true")
 
 
-def run_cli(config, make_train_fn, args) -> dict:
+def run_cli(defaults, make_train_fn, args) -> dict:
+    """Run one learner from the command line: ``defaults`` with every field the arguments name (argument names are
+    the config's field names), then print, trace and write the result as asked."""
+    fields = {field.name for field in dataclasses.fields(defaults)}
+    config = dataclasses.replace(defaults, **{name: value for name, value in vars(args).items() if name in fields})
     train = make_train_fn(config)
     result = train(jax.random.key(config.seed))
     print(format_result(result))
@@ -347,12 +351,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--hidden", type=int, default=defaults.hidden)
     parser.add_argument("--batch-size", type=int, default=defaults.batch_size)
     parser.add_argument("--fused", action="store_true", help="sample inside the learner's jit (plane.sample_fn())")
-    args = parser.parse_args(argv)
-    config = dataclasses.replace(defaults, schedule=args.schedule, env=args.env, total_env_steps=args.total_env_steps,
-                                 depth=args.depth, defer=args.defer, devices=args.devices, seed=args.seed,
-                                 n_step=args.n_step, hidden=args.hidden, batch_size=args.batch_size,
-                                 fused=args.fused, progress=args.progress)
-    run_cli(config, make_train, args)
+    run_cli(defaults, make_train, parser.parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -269,11 +269,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_common_arguments(parser, defaults)
     parser.add_argument("--hidden", type=int, default=defaults.hidden)
-    args = parser.parse_args(argv)
-    config = dataclasses.replace(defaults, schedule=args.schedule, env=args.env, total_env_steps=args.total_env_steps,
-                                 depth=args.depth, defer=args.defer, devices=args.devices, seed=args.seed,
-                                 hidden=args.hidden, progress=args.progress)
-    run_cli(config, make_train, args)
+    run_cli(defaults, make_train, parser.parse_args(argv))
 
 
 if __name__ == "__main__":
