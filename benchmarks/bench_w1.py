@@ -11,7 +11,6 @@ runs on the emulated 8-device mesh, a correctness configuration that is slower o
 
 from __future__ import annotations
 
-import argparse
 import itertools
 
 import numpy as np
@@ -82,10 +81,7 @@ def run(settings: common.Settings, emulated: bool = True) -> list[dict]:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="small capacity, few rounds (CI smoke run)")
-    parser.add_argument("--capacity", type=int)
-    parser.add_argument("--rounds", type=int)
+    parser = common.workload_parser(__doc__)
     parser.add_argument("--no-emulated", action="store_true", help="skip the 8-device mesh even when available")
     args = parser.parse_args(argv)
     run(common.Settings.for_run(args.quick, args.capacity, args.rounds), emulated=not args.no_emulated)

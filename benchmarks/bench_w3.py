@@ -16,7 +16,6 @@ batch size (its sampler's), so b256 and b32 are two planes, built one after the 
 
 from __future__ import annotations
 
-import argparse
 
 import numpy as np
 
@@ -139,10 +138,7 @@ def run(settings: common.Settings, explicit_capacity: bool = False) -> list[dict
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="small capacity, few rounds (CI smoke run)")
-    parser.add_argument("--capacity", type=int)
-    parser.add_argument("--rounds", type=int)
+    parser = common.workload_parser(__doc__)
     args = parser.parse_args(argv)
     run(settings_for(args.quick, args.capacity, args.rounds), explicit_capacity=args.capacity is not None)
 

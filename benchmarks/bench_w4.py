@@ -23,7 +23,6 @@ of the iteration counts the rollout written once and read four times (5 x 4.5 MB
 
 from __future__ import annotations
 
-import argparse
 import itertools
 
 import numpy as np
@@ -139,9 +138,7 @@ def run(settings: common.Settings) -> list[dict]:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="few rounds (CI smoke run)")
-    parser.add_argument("--rounds", type=int)
+    parser = common.workload_parser(__doc__, capacity=False)
     args = parser.parse_args(argv)
     run(settings_for(args.quick, None, args.rounds))
 

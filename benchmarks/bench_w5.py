@@ -20,7 +20,6 @@ TorchRL's ``SliceSampler`` needs trajectory ids stored with the data; it is not 
 
 from __future__ import annotations
 
-import argparse
 
 import numpy as np
 
@@ -113,10 +112,7 @@ def run(settings: common.Settings) -> list[dict]:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="small capacity, few rounds (CI smoke run)")
-    parser.add_argument("--capacity", type=int)
-    parser.add_argument("--rounds", type=int)
+    parser = common.workload_parser(__doc__)
     args = parser.parse_args(argv)
     run(settings_for(args.quick, args.capacity, args.rounds))
 

@@ -15,7 +15,6 @@ current process has fewer than 8 devices (``python -m benchmarks.run --only w6``
 
 from __future__ import annotations
 
-import argparse
 import os
 import subprocess
 import sys
@@ -116,10 +115,7 @@ def main(argv=None):
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + FLAG).strip()
     from benchmarks import common
 
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="small capacity, few rounds (CI smoke run)")
-    parser.add_argument("--capacity", type=int)
-    parser.add_argument("--rounds", type=int)
+    parser = common.workload_parser(__doc__)
     args = parser.parse_args(argv)
     settings = common.Settings.for_run(args.quick, args.capacity, args.rounds)
     if settings.capacity % max(DEVICES):

@@ -16,6 +16,7 @@ Conventions (STYLE.md, "Benchmarks"):
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import datetime
 import gc
@@ -710,6 +711,18 @@ class Group:
 
 
 _T0 = time.perf_counter()
+
+
+def workload_parser(doc: str, *, capacity: bool = True) -> argparse.ArgumentParser:
+    """The command line every bench_w*.py shares: --quick, --rounds and (unless the workload's size is fixed)
+    --capacity; a script adds its own options to the parser returned."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true",
+                        help="small capacity, few rounds (CI smoke run)" if capacity else "few rounds (CI smoke run)")
+    if capacity:
+        parser.add_argument("--capacity", type=int)
+    parser.add_argument("--rounds", type=int)
+    return parser
 
 
 def log_line(msg: str) -> None:
