@@ -570,16 +570,12 @@ def _computable(state, shardings):
     return jax.tree_util.tree_map(move, state, shardings)
 
 
-def _checked_priority_update(ids, priorities, capacity: int):
-    where = "update_priorities()"
-    ids_np, prio_np = np.asarray(ids), np.asarray(priorities)
-    if ids_np.ndim != 2 or ids_np.shape[1] != 2 or not np.issubdtype(ids_np.dtype, np.integer):
-        raise PriorityError(f"{where}: ids must be an integer array of shape (m, 2) as in Delivery.ids, got "
-                            f"{ids_np.dtype}{list(ids_np.shape)}")
-    if prio_np.shape != (ids_np.shape[0],):
-        raise PriorityError(f"{where}: priorities must have shape ({ids_np.shape[0]},), one per id, got "
-                            f"{list(prio_np.shape)}")
-    if ids_np.shape[0] == 0:
+def checked_priorities(priorities, count: int, where: str = "update_priorities()") -> np.ndarray:
+    """``priorities`` as float32[count] after checking them (shape, real numbers, finite, >= 0); else PriorityError."""
+    prio_np = np.asarray(priorities)
+    if prio_np.shape != (count,):
+        raise PriorityError(f"{where}: priorities must have shape ({count},), one per id, got {list(prio_np.shape)}")
+    if count == 0:
         raise PriorityError(f"{where}: ids is empty; pass at least one id")
     if not np.issubdtype(prio_np.dtype, np.number) or np.issubdtype(prio_np.dtype, np.complexfloating):
         raise PriorityError(f"{where}: priorities must be real numbers, got dtype {prio_np.dtype}")
@@ -589,6 +585,16 @@ def _checked_priority_update(ids, priorities, capacity: int):
         i = int(np.argmax(bad))
         raise PriorityError(f"{where}: priorities must be finite and >= 0; {int(bad.sum())} are not, the first at "
                             f"index {i} is {prio_np[i]}")
+    return prio_np
+
+
+def _checked_priority_update(ids, priorities, capacity: int):
+    where = "update_priorities()"
+    ids_np = np.asarray(ids)
+    if ids_np.ndim != 2 or ids_np.shape[1] != 2 or not np.issubdtype(ids_np.dtype, np.integer):
+        raise PriorityError(f"{where}: ids must be an integer array of shape (m, 2) as in Delivery.ids, got "
+                            f"{ids_np.dtype}{list(ids_np.shape)}")
+    prio_np = checked_priorities(priorities, ids_np.shape[0], where)
     rows, generations = ids_np[:, 0], ids_np[:, 1]
     if (rows < 0).any() or (rows >= capacity).any() or (generations < 1).any():
         i = int(np.argmax((rows < 0) | (rows >= capacity) | (generations < 1)))

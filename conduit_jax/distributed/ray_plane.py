@@ -54,6 +54,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from conduit_jax.errors import ConduitError, ConfigError, NotEnoughDataError, PriorityError
+from conduit_jax.plane import checked_priorities
 from conduit_jax.spec import ExperienceSpec
 
 SUPPORTED_SAMPLERS = ("uniform", "prioritized")
@@ -955,20 +956,12 @@ class DistributedPlane:
 
         if not self.priority:
             raise ConfigError(f"update_priorities(): the {self.sampler.name} sampler has no priorities")
-        ids_np, prio_np = np.asarray(ids), np.asarray(priorities)
+        ids_np = np.asarray(ids)
         if ids_np.ndim != 2 or ids_np.shape[1] != 4 or not np.issubdtype(ids_np.dtype, np.integer):
             raise PriorityError(f"update_priorities(): ids must be an integer array of shape (m, 4) (actor, "
                                 f"incarnation, row, generation) as in Delivery.ids, got {ids_np.dtype}"
                                 f"{list(ids_np.shape)}")
-        if prio_np.shape != (ids_np.shape[0],) or not np.issubdtype(prio_np.dtype, np.number):
-            raise PriorityError(f"update_priorities(): priorities must be numbers of shape ({ids_np.shape[0]},), got "
-                                f"{prio_np.dtype}{list(prio_np.shape)}")
-        prio_np = prio_np.astype(np.float32)
-        bad = ~np.isfinite(prio_np) | (prio_np < 0)
-        if bad.any():
-            i = int(np.argmax(bad))
-            raise PriorityError(f"update_priorities(): priorities must be finite and >= 0; {int(bad.sum())} are not, "
-                                f"the first at index {i} is {prio_np[i]}")
+        prio_np = checked_priorities(priorities, ids_np.shape[0])
         per_actor = self.capacity // self.num_actors
         out = (ids_np[:, 0] < 0) | (ids_np[:, 0] >= self.num_actors) | (ids_np[:, 2] < 0) | \
             (ids_np[:, 2] >= per_actor) | (ids_np[:, 3] < 1)
