@@ -204,35 +204,16 @@ def deal(batch, next_shard, n, shard_index, num_shards: int):
 def write(rows, cursor, laps, block, count):
     """Write the first ``count`` rows of ``block`` at ``cursor``, wrapping around the ring; returns (rows, cursor, laps).
 
-    Rows of the block past ``count`` are padding and must not touch stored items, so each dynamic-update-slice writes
-    back the old rows there. Two cases: the block fits before the end of the ring (the common case: one select and one
-    in-place slice update, ~memcpy speed), or it does not (a slice aligned to the ring's end, then one at row 0 for
-    the items that wrap).
+    One row scatter into the donated ring: row i goes to ``(cursor + i) % capacity``, and the padding rows past
+    ``count`` get an out-of-range index, which the scatter drops, so they never touch stored items. No branch: a
+    conditional around the write (fits / wraps) made XLA:CPU copy the taken branch's result and cost 2.4x the scatter,
+    and a masked dynamic-update-slice reads the old rows back only to keep them.
     """
     capacity, k = rows.shape[0], block.shape[0]
     assert k <= capacity, "the shell splits batches larger than a shard's ring"
     iota = lax.iota(jnp.int32, k)
-
-    def fits(rows):
-        old = lax.dynamic_slice_in_dim(rows, cursor, k)
-        return lax.dynamic_update_slice_in_dim(rows, jnp.where((iota < count)[:, None], block, old), cursor, axis=0)
-
-    def segment(rows, start, shift, limit):
-        # rows [start, start+k) receive block[i - shift] where 0 <= i - shift < limit, else keep their old value
-        old = lax.dynamic_slice_in_dim(rows, start, k)
-        src = iota - shift
-        fresh = block.at[jnp.clip(src, 0, k - 1)].get(mode="promise_in_bounds")
-        keep = (src >= 0) & (src < limit)
-        return lax.dynamic_update_slice_in_dim(rows, jnp.where(keep[:, None], fresh, old), start, axis=0)
-
-    def near_end(rows):
-        # the block is aligned to end at the ring's end; items past the end continue at row 0
-        head = capacity - cursor  # rows that still fit before the end of the ring
-        rows = segment(rows, capacity - k, cursor - (capacity - k), jnp.minimum(head, count))
-        return segment(rows, 0, -head, count)
-
-    # two branches only: nesting conditionals made XLA copy the whole ring on every call
-    rows = lax.cond(cursor + k <= capacity, fits, near_end, rows)
+    target = jnp.where(iota < count, (cursor + iota) % capacity, capacity)
+    rows = rows.at[target].set(block, mode="drop", unique_indices=True)
     end = cursor + count
     return rows, end % capacity, laps + (end >= capacity).astype(jnp.int32)
 
