@@ -103,6 +103,9 @@ class ExperienceDataPlane:
         self._changed = threading.Condition()  # guards state; notified after every ingest and sample
         self._in_flight: collections.deque = collections.deque()  # dispatched, not yet delivered batches
         self._queued_updates: collections.deque = collections.deque()  # (step, ids, priorities), deferred policy
+        # checked priority updates not yet in the state: the next sample applies them in its own kernel call (one
+        # dispatch for both); anything else that reads the state applies them first (_flush_updates)
+        self._pending_updates: list[tuple[np.ndarray, np.ndarray]] = []
         self._depth = self.schedule.depth  # current prefetch depth (moves under the adaptive policy)
         self._step = 0  # deliver() calls so far
         self._last_delivery_end: Optional[float] = None
@@ -118,17 +121,22 @@ class ExperienceDataPlane:
             replay.set_policy_version(config, state, version),), shardings, rest, 0)
         self._update_kernel = _reading_storage(lambda state, ids, priorities, valid: (
             _replace(state, sampler=replay.update(config, state, ids, priorities, valid)),), shardings, rest, 0)
+        self._update_sample_kernel = _reading_storage(lambda state, ids, priorities, valid: replay.sample(
+            config, _replace(state, sampler=replay.update(config, state, ids, priorities, valid))), shardings, rest, 1)
         self._status_kernel = jax.jit(lambda state: replay.status(config, _computable(state, shardings)))
 
     # -- properties ---------------------------------------------------------------------------------------------
     @property
     def state(self) -> ReplayState:
         """The whole plane as one pytree (storage, sampler, limiter, counters): what a checkpoint saves."""
-        return self._state
+        with self._changed:
+            self._flush_updates()
+            return self._state
 
     @state.setter
     def state(self, value: ReplayState) -> None:
         with self._changed:
+            self._flush_updates()  # they were reported against the state being replaced; keep the order of calls
             self._state = value
             self._counters = None
 
@@ -169,6 +177,7 @@ class ExperienceDataPlane:
         leaves = jax.tree_util.tree_leaves(batch)
         with self._changed:
             self._wait_until(lambda: self._ingest_refusal(n), timeout)
+            self._flush_updates()
             start_time = time.perf_counter()
             chunk = self.capacity  # one kernel call writes at most a full ring per shard
             for start in range(0, n, chunk):
@@ -232,9 +241,14 @@ class ExperienceDataPlane:
         with self._changed:
             self._wait_until(self._sample_refusal, timeout)
             start_time = time.perf_counter()
-            state = self._state
-            with self._counting_compiles("sample"):
-                rest, delivery = self._settled(self._sample_kernel(state.storage, _replace(state, storage=None)))
+            state, pending = self._state, self._take_pending_updates()
+            if pending is None:
+                with self._counting_compiles("sample"):
+                    rest, delivery = self._settled(self._sample_kernel(state.storage, _replace(state, storage=None)))
+            else:
+                with self._counting_compiles(f"update+sample[{pending[0].shape[0]}]"):
+                    rest, delivery = self._settled(self._update_sample_kernel(
+                        state.storage, _replace(state, storage=None), *pending))
             self._state = _replace(rest, storage=state.storage)
             self._count_sample()
             self.timeline.record("sample", start_time, time.perf_counter())
@@ -398,21 +412,39 @@ class ExperienceDataPlane:
         self._apply_updates(*_checked_priority_update(ids, priorities, self.capacity))
 
     def _apply_updates(self, ids_np: np.ndarray, prio_np: np.ndarray) -> None:
+        """Queue checked updates for the next kernel call. Every later call sees them exactly as if they had been
+        applied now: the next sample applies them first in its own kernel, anything else flushes them before."""
+        with self._changed:
+            self._pending_updates.append((ids_np, prio_np))
+
+    def _take_pending_updates(self) -> Optional[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """The queued updates as one (ids, priorities, valid) padded to a power of two (one kernel per bucket),
+        or None; the queue is emptied."""
+        if not self._pending_updates:
+            return None
+        ids_np = np.concatenate([ids for ids, _ in self._pending_updates])
+        prio_np = np.concatenate([prio for _, prio in self._pending_updates])
+        self._pending_updates.clear()
         m = ids_np.shape[0]
         bucket = 1 << max(0, (m - 1).bit_length())
         ids_pad = np.zeros((bucket, 2), np.int32)
         ids_pad[:m] = ids_np
         prio_pad = np.zeros((bucket,), np.float32)
         prio_pad[:m] = prio_np
-        valid = np.arange(bucket) < m
+        return ids_pad, prio_pad, np.arange(bucket) < m
+
+    def _flush_updates(self) -> None:
+        """Apply queued priority updates in a kernel of their own (before a call other than sample reads the
+        state). Callers hold ``self._changed``."""
+        pending = self._take_pending_updates()
+        if pending is None:
+            return
         start_time = time.perf_counter()
-        with self._changed:
-            state = self._state
-            with self._counting_compiles("update"):
-                (rest,) = self._settled(self._update_kernel(state.storage, _replace(state, storage=None), ids_pad,
-                                                            prio_pad, valid))
-            self._state = _replace(rest, storage=state.storage)
-            self.timeline.record("update", start_time, time.perf_counter())
+        state = self._state
+        with self._counting_compiles("update"):
+            (rest,) = self._settled(self._update_kernel(state.storage, _replace(state, storage=None), *pending))
+        self._state = _replace(rest, storage=state.storage)
+        self.timeline.record("update", start_time, time.perf_counter())
 
     # -- checkpoints --------------------------------------------------------------------------------------------------
     def save(self, directory, **options):
@@ -452,6 +484,7 @@ class ExperienceDataPlane:
                                  f"live migration keeps the shard count so no item is renumbered")
         shardings = plan.shardings(config)
         with self._changed:
+            self._flush_updates()
             self._state = jax.device_put(self._state, shardings)
             self.config, self.mesh, self.plan, self._shardings = config, new_mesh, plan, shardings
             self._build_kernels()
