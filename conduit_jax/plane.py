@@ -106,6 +106,8 @@ class ExperienceDataPlane:
         # checked priority updates not yet in the state: the next sample applies them in its own kernel call (one
         # dispatch for both); anything else that reads the state applies them first (_flush_updates)
         self._pending_updates: list[tuple[np.ndarray, np.ndarray]] = []
+        # (host array, an output of the ingest that read it): reused for the next batch once that ingest is done
+        self._last_staging: Optional[tuple[np.ndarray, jax.Array]] = None
         self._depth = self.schedule.depth  # current prefetch depth (moves under the adaptive policy)
         self._step = 0  # deliver() calls so far
         self._last_delivery_end: Optional[float] = None
@@ -191,12 +193,24 @@ class ExperienceDataPlane:
                     # everything else is packed on the host into one array: one transfer instead of one per leaf,
                     # the caller's buffers are never aliased, and no op runs on the unpadded shape (which would
                     # compile once per batch size)
-                    block, packed = self.config.layout.pack_host(leaves, start, m, rows), True
+                    block, packed = self.config.layout.pack_host(leaves, start, m, rows, self._staging(rows)), True
                 with self._counting_compiles(f"ingest[{rows}{',packed' if packed else ''}]"):
                     self._state = self._settled(self._ingest_kernel(rows, packed)(self._state, block, np.int32(m)))
+                if packed:
+                    self._last_staging = (block, self._state.storage.cursor)
             self._count_ingest(n)
             self.timeline.record("ingest", start_time, time.perf_counter())
             self._changed.notify_all()
+
+    def _staging(self, rows: int) -> np.ndarray:
+        """The host array a batch is packed into: the last one again when its shape fits and the ingest that read it
+        has finished (JAX reads it in place), else a fresh one. Fresh pages fault on first write, which made packing
+        a 4.5 MB PPO rollout take 2x as long."""
+        if self._last_staging is not None:
+            block, written = self._last_staging
+            if block.shape[0] == rows and written.is_ready():
+                return block
+        return storage.aligned_empty((rows, self.config.layout.row_words))
 
     def can_ingest(self, n: int = 1) -> bool:
         """Whether ``n`` items would be admitted now (rate limiter and queue capacity)."""

@@ -86,11 +86,12 @@ class RowLayout(NamedTuple):
             return jnp.zeros((n, 1), jnp.uint32)
         return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1)
 
-    def pack_host(self, leaves, start: int, count: int, rows: int, cast: bool = False) -> np.ndarray:
-        """NumPy twin of ``pack`` for host batches: items [start, start+count) of each leaf into a fresh
-        uint32[rows, row_words] (rows past ``count`` are padding the kernel masks). One array crosses to the device
-        instead of one per leaf, and the caller's buffers are never aliased."""
-        out = _aligned_empty((rows, self.row_words))
+    def pack_host(self, leaves, start: int, count: int, rows: int, out: Optional[np.ndarray] = None) -> np.ndarray:
+        """NumPy twin of ``pack`` for host batches: items [start, start+count) of each leaf into uint32[rows,
+        row_words] (rows past ``count`` are padding the kernel masks), ``out`` when given (64-byte aligned, see
+        ``aligned_empty``), else a fresh array. One array crosses to the device instead of one per leaf, and the
+        caller's buffers are never aliased."""
+        out = aligned_empty((rows, self.row_words)) if out is None else out
         for leaf, slot, dtype in zip(leaves, self.slots, self.spec.dtypes):
             if slot.elems == 0:
                 continue
@@ -141,9 +142,10 @@ class RowLayout(NamedTuple):
         return x.astype(jnp.bool_) if dtype == np.bool_ else x
 
 
-def _aligned_empty(shape) -> np.ndarray:
+def aligned_empty(shape) -> np.ndarray:
     """An uninitialised uint32 array whose data starts on a 64-byte boundary: JAX's CPU client then uses the NumPy
-    memory in place instead of copying it (the array is fresh and never written again, so aliasing is safe)."""
+    memory in place instead of copying it, so whoever writes it again must first know that every computation that
+    read it has finished."""
     size = int(np.prod(shape))
     raw = np.empty(size + 16, np.uint32)
     offset = (-raw.ctypes.data % 64) // 4
