@@ -208,7 +208,8 @@ class ExperienceDataPlane:
         a 4.5 MB PPO rollout take 2x as long."""
         if self._last_staging is not None:
             block, written = self._last_staging
-            if block.shape[0] == rows and written.is_ready():
+            # a donated marker (the state went into a jit since) cannot tell whether that ingest has finished
+            if block.shape[0] == rows and not written.is_deleted() and written.is_ready():
                 return block
         return storage.aligned_empty((rows, self.config.layout.row_words))
 
