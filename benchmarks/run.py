@@ -7,6 +7,7 @@
                    W1/W2: a correctness configuration, slower on a 2-core host; the headline row stays on 1 device
   --capacity N, --rounds R   override the sizes of every selected workload (W4's rollout size is fixed)
   --no-plots       skip the PNG charts (benchmarks/plots.py; needs matplotlib)
+  --results DIR    write the JSON lines (and plots) to DIR instead of benchmarks/results
 
 Workloads: w1 SAC uniform, w2 SAC PER, w3 Atari frames (batch 256 and 32), w4 PPO epochs, w5 sequences of 32 steps,
 w6 W1 on 1/2/4/8 emulated devices (run in a subprocess with XLA_FLAGS unless this process was started with 8 devices,
@@ -23,6 +24,7 @@ import os
 import sys
 import time
 import traceback
+from pathlib import Path
 
 WORKLOADS = ("w1", "w2", "w3", "w4", "w5", "w6")
 DEVICE_FLAG = "--xla_force_host_platform_device_count=8"
@@ -66,6 +68,8 @@ def main(argv=None) -> int:
     parser.add_argument("--capacity", type=int)
     parser.add_argument("--rounds", type=int)
     parser.add_argument("--no-plots", action="store_true")
+    parser.add_argument("--results", default=None, help="write the JSON lines and plots here instead of "
+                                                         "benchmarks/results (the smoke test uses a temporary directory)")
     args = parser.parse_args(argv)
     only = [w.strip().lower() for w in args.only.split(",") if w.strip()]
     unknown = [w for w in only if w not in WORKLOADS]
@@ -84,6 +88,9 @@ def main(argv=None) -> int:
     from benchmarks import bench_w1, bench_w2, bench_w3, bench_w4, bench_w5, bench_w6, common
 
     common.configure_runtime()
+    if args.results:
+        common.RESULTS_DIR = Path(args.results)
+        common.RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     quick, cap, rounds = args.quick, args.capacity, args.rounds
     runners = {
         "w1": lambda: bench_w1.run(common.Settings.for_run(quick, cap, rounds)),
@@ -110,7 +117,7 @@ def main(argv=None) -> int:
         try:
             from benchmarks import plots
 
-            written = plots.make_plots(only, quick=quick)
+            written = plots.make_plots(only, quick=quick, results=common.RESULTS_DIR)
             print("plots: " + (", ".join(str(p) for p in written) if written else "none written"))
         except ImportError as exc:
             print(f"plots skipped: {exc} (pip install matplotlib, or the bench extra)")
