@@ -651,8 +651,9 @@ class Conduit(Contender):
         return self._jax.device_put(priorities)
 
     def update_priorities(self, ids, priorities) -> None:
+        # checked now, applied inside the next sample's kernel (which the cycle blocks on): reading plane.state
+        # here would force the update into a kernel of its own, as a caller that inspects the state gets
         self.plane.update_priorities(ids, priorities)
-        self._jax.block_until_ready(self.plane.state)
 
     def state_bytes(self) -> int:
         return _tree_nbytes(self.plane.state)

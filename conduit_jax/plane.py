@@ -413,6 +413,9 @@ class ExperienceDataPlane:
         new item) and counted in ``stats()['priority_updates_ignored']``. Under a ``deferred`` schedule the update
         is queued and checked when it is applied, k steps later: a bad one raises from that later call, naming the
         step it was reported at, and is dropped whole.
+
+        A checked update takes effect for every later call; its kernel work rides in the next ``sample()``'s kernel
+        call (one dispatch for both), or runs on its own first when another call reads the state.
         """
         if self.sampler.update is None:
             raise ConfigError(f"update_priorities(): the {self.sampler.name} sampler has no priorities; build the "
