@@ -697,6 +697,7 @@ class Metric:
     applies: Callable[[Any], bool] = lambda c: True
     reps: int = 100
     first_from_fill: bool = False  # its first call (and compile) happened while filling: report that one
+    first_calls: int = 1  # calls timed together as the first call: the steady state starts after them
     bytes_per_call: Optional[int] = None
     extra: dict = field(default_factory=dict)  # copied into each timing record
 
@@ -882,7 +883,9 @@ def run_workload(workload: str, description: str, spec: dict, settings: Settings
                 if metric.first_from_fill and name in fill_first:
                     first_calls[key] = fill_first[name]
                 else:
-                    first_calls[key] = time_first_call(op, log, name, first_phase)
+                    first = op if metric.first_calls == 1 else (
+                        lambda op=op, calls=metric.first_calls: [op() for _ in range(calls)])
+                    first_calls[key] = time_first_call(first, log, name, first_phase)
                 first_compiles[key] = log.get(name, first_phase)
             log_line(f"   timing {metric.name}: {len(ops)} contenders x {settings.rounds} rounds x {metric.reps} "
                      f"calls")

@@ -68,8 +68,9 @@ def main(argv=None) -> int:
     parser.add_argument("--capacity", type=int)
     parser.add_argument("--rounds", type=int)
     parser.add_argument("--no-plots", action="store_true")
-    parser.add_argument("--results", default=None, help="write the JSON lines and plots here instead of "
-                                                         "benchmarks/results (the smoke test uses a temporary directory)")
+    parser.add_argument("--results", default=None,
+                        help="write the JSON lines and plots here instead of benchmarks/results (the smoke test "
+                             "uses a temporary directory)")
     args = parser.parse_args(argv)
     only = [w.strip().lower() for w in args.only.split(",") if w.strip()]
     unknown = [w for w in only if w not in WORKLOADS]

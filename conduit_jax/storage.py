@@ -204,7 +204,7 @@ def deal(batch, next_shard, n, shard_index, num_shards: int):
 
 
 def write(rows, cursor, laps, block, count):
-    """Write the first ``count`` rows of ``block`` at ``cursor``, wrapping around the ring; returns (rows, cursor, laps).
+    """Write the first ``count`` rows of ``block`` at ``cursor``, wrapping around the ring: (rows, cursor, laps).
 
     One row scatter into the donated ring: row i goes to ``(cursor + i) % capacity``, and the padding rows past
     ``count`` get an out-of-range index, which the scatter drops, so they never touch stored items. No branch: a
