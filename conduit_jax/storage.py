@@ -18,7 +18,6 @@ samplers rely on:
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple, Optional
 
 import jax
@@ -231,4 +230,4 @@ def bucket_size(n: int, num_shards: int, shard_capacity: int) -> int:
     One compiled kernel per bucket keeps a varying batch size from recompiling on every call.
     """
     per_shard = -(-n // num_shards)
-    return min(1 << max(0, math.ceil(math.log2(per_shard))), shard_capacity)
+    return min(1 << (per_shard - 1).bit_length(), shard_capacity)
