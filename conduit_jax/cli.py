@@ -1,5 +1,4 @@
-"""The ``conduit`` command: ``conduit demo``, ``conduit bench`` and ``conduit plan``; ``experiment`` joins ``COMMANDS``
-later.
+"""The ``conduit`` command: ``conduit demo``, ``conduit bench``, ``conduit plan`` and ``conduit experiment``.
 
 Each subcommand is a ``Command(name, help, add_arguments, run)``: ``add_arguments`` fills its argparse sub-parser and
 ``run(args) -> exit status`` does the work. Nothing here touches a JAX backend before ``configure_devices`` has run, so
@@ -13,13 +12,15 @@ import argparse
 import json
 import os
 import sys
-from typing import Callable, NamedTuple, Optional, Sequence
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import NamedTuple
 
 DEFAULT_HOST_DEVICES = 8
 _DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 
 
-def configure_devices(count: int = DEFAULT_HOST_DEVICES) -> Optional[str]:
+def configure_devices(count: int = DEFAULT_HOST_DEVICES) -> str | None:
     """Ask XLA for ``count`` emulated CPU devices unless the user already set a count (``XLA_FLAGS`` naming
     ``xla_force_host_platform_device_count``, or ``JAX_NUM_CPU_DEVICES``). Returns a warning when it is too late:
     a JAX backend already started in this process. Accelerator platforms are unaffected."""
@@ -60,7 +61,10 @@ def _positive_int(text: str) -> int:
 
 
 def _demo_arguments(parser: argparse.ArgumentParser) -> None:
-    from conduit_jax.demo import SAMPLERS, DemoConfig  # imports jax, but starts no backend
+    from conduit_jax.demo import (  # imports jax, but starts no backend
+        SAMPLERS,
+        DemoConfig,
+    )
 
     d = DemoConfig()
     parser.add_argument("--iterations", type=_positive_int, default=d.iterations,
@@ -121,37 +125,56 @@ def _bench_arguments(parser: argparse.ArgumentParser) -> None:
                              "unpinned_host memory (for a GPU; --quick smoke-tests it on CPU)")
 
 
+def _checkout_root(marker: str) -> Path | None:
+    """The current directory or the nearest directory above it that holds ``marker`` (a Conduit-JAX checkout)."""
+    here = Path.cwd()
+    for folder in (here, *here.parents):
+        if (folder / marker).is_file():
+            return folder
+    return None
+
+
+def _import_from_checkout(package: str, module: str, marker: str, ours: Callable[[object], bool]):
+    """``<package>.<module>`` of an installed copy, else of a checkout's ``./<package>`` (the current directory or one
+    above it). Neither ``benchmarks`` nor ``experiments`` ships in the conduit-jax wheel. Returns (module, note) with a
+    note saying where it was found, or (None, reason)."""
+    import importlib
+
+    try:
+        mod = importlib.import_module(f"{package}.{module}")
+        if ours(mod):
+            return mod, None
+    except ImportError:
+        pass
+    root = _checkout_root(marker)
+    if root is None:
+        return None, None
+    for name in [n for n in sys.modules if n == package or n.startswith(package + ".")]:
+        del sys.modules[name]  # another package of that name may have been imported above
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    try:
+        mod = importlib.import_module(f"{package}.{module}")
+    except ImportError as exc:
+        return None, f"found {root / package} but could not import {package}.{module}: {exc}"
+    return mod, (f"the {package} suite is not installed with conduit-jax; using {root / package} from the checkout "
+                 f"(results go to {root / package / 'results'})")
+
+
 def _import_benchmarks(module: str):
     """``benchmarks.<module>`` of an installed suite, else of ``./benchmarks`` (a Conduit-JAX checkout). The suite is
     not part of the conduit-jax package: returns (module, note) with a note saying where it was found, or (None,
     reason)."""
-    import importlib
-    from pathlib import Path
-
-    def _ours(mod) -> bool:
+    def ours(mod) -> bool:
         return callable(getattr(mod, "main", None)) and Path(getattr(mod, "__file__", "")).parent.name == "benchmarks"
 
-    try:
-        mod = importlib.import_module(f"benchmarks.{module}")
-        if _ours(mod):
-            return mod, None
-    except ImportError:
-        pass
-    here = Path.cwd()
-    if (here / "benchmarks" / "run.py").is_file():
-        for name in [n for n in sys.modules if n == "benchmarks" or n.startswith("benchmarks.")]:
-            del sys.modules[name]  # another package named "benchmarks" may have been imported above
-        sys.path.insert(0, str(here))
-        try:
-            mod = importlib.import_module(f"benchmarks.{module}")
-        except ImportError as exc:
-            return None, f"found {here / 'benchmarks'} but could not import benchmarks.{module}: {exc}"
-        return mod, (f"the benchmark suite is not installed with conduit-jax; using {here / 'benchmarks'} from the "
-                     f"current directory (results go to {here / 'benchmarks' / 'results'})")
-    return None, ("the benchmark suite (benchmarks/) is not part of the installed conduit-jax package and there is no "
-                  f"benchmarks/run.py under the current directory {here}. Run `conduit bench` from the root of a "
-                  "Conduit-JAX checkout (or `python -m benchmarks.run` there), with the bench extra installed: "
-                  "pip install '.[bench]'")
+    mod, note = _import_from_checkout("benchmarks", module, "benchmarks/run.py", ours)
+    if mod is None and note is None:
+        note = ("the benchmark suite (benchmarks/) is not part of the installed conduit-jax package and there is no "
+                f"benchmarks/run.py under the current directory {Path.cwd()} or above it. Run `conduit bench` from a "
+                "Conduit-JAX checkout (or `python -m benchmarks.run` there), with the bench extra installed: "
+                "pip install '.[bench]'")
+    return mod, note
 
 
 def _run_bench(args: argparse.Namespace) -> int:
@@ -193,6 +216,251 @@ def _run_plan(args: argparse.Namespace) -> int:
     return planner.run_cli(args)
 
 
+# ------------------------------------------------------------------------------------------------------------------
+# conduit experiment
+# ------------------------------------------------------------------------------------------------------------------
+class Experiment(NamedTuple):
+    """One claim's script in a checkout's ``experiments/``: ``python -m experiments.<module>``."""
+
+    name: str
+    module: str
+    claim: str  # the claim of issue 10 it answers
+    help: str
+    full_time: str  # wall time of the full run as measured (documented here; `--list` prefers the recorded one)
+    quick_time: str
+    outputs: tuple[str, ...] = ()  # result stems in experiments/results/ (quick runs add "_quick")
+    needs: tuple[str, ...] = ()  # modules beyond the core the run imports (an extra)
+    devices: int | None = None  # emulated CPU devices to ask XLA for before JAX starts
+    algos: tuple[str, ...] = ()  # rllib_compare: one run per algorithm unless --algo names one
+    quick_flags: tuple[str, ...] = ("--quick",)  # script options that make a short run (recorded apart)
+
+
+_RLLIB = ("ray", "torch", "conduit_rllib", "matplotlib")
+EXPERIMENTS: tuple[Experiment, ...] = (
+    Experiment("breakdown", "rllib_compare", "1, 2",
+               "RLlib native vs Conduit, per-stage iteration breakdown and experience-path share (DQN, PPO; "
+               "--algo dqn|ppo|sac for one)",
+               "~5.5 min per algo (est.)", "~1 min per algo", needs=_RLLIB, algos=("dqn", "ppo")),
+    Experiment("scheduling", "scheduling", "2",
+               "delivery schedules (sync/overlap/deferred/adaptive/fused) on the JAX learners: exposed and iteration "
+               "latency", "3.2 min", "~2 min", outputs=("scheduling",),
+               needs=("matplotlib",)),
+    Experiment("ablation", "ablation", "2",
+               "baseline / + placement / + scheduling / full on the JAX learners (DQN + PER, PPO)",
+               "6.6 min (3 rounds)", "~1.5 min", outputs=("ablation",), needs=("matplotlib",), devices=8),
+    Experiment("placement", "placement_sweep", "3",
+               "delivery latency vs batch bytes per memory kind and shard count; the planner's choice and its "
+               "predicted cost beside the measured one", "45 s", "~10 s", outputs=("placement_sweep",),
+               needs=("matplotlib",), devices=8),
+    Experiment("scaling", "scaling", "4",
+               "1 -> 4 Ray shard actors measured here, the cost model up to 1,024 GPUs",
+               "3-4 min", "~2 min", outputs=("scaling",), needs=("ray", "matplotlib")),
+    Experiment("convergence", "rllib_compare", "5",
+               "learning curves over 3 seeds with and without Conduit, Welch's t-test of final returns (DQN, PPO, "
+               "SAC; --algo for one)", "~5.5 min per algo (est.)", "~1 min per algo", needs=_RLLIB,
+               algos=("dqn", "ppo", "sac")),
+    Experiment("gpu", "gpu", "6",
+               "on one NVIDIA GPU (H200): the JAX learners' breakdown and the placement sweep in device / pinned_host "
+               "/ unpinned_host memory (--dry-run: small, on CPU)",
+               "< 8 min on an H200 (est.)", "70-110 s (CPU)",
+               outputs=("gpu_breakdown", "gpu_placement_sweep", "gpu_run"), needs=("matplotlib",),
+               quick_flags=("--quick", "--dry-run")),
+    Experiment("report", "report", "all", "regenerate experiments/REPORT.md from the JSON in experiments/results/",
+               "~1 s", "~1 s"),
+)
+_EXPERIMENTS = {e.name: e for e in EXPERIMENTS}
+
+
+def _experiment_arguments(parser: argparse.ArgumentParser) -> None:
+    names = ", ".join(e.name for e in EXPERIMENTS)
+    parser.add_argument("name", nargs="?", metavar="NAME", help=f"one of {names}; 'list' lists them")
+    parser.add_argument("--list", action="store_true", help="list the experiments with their run times")
+    parser.add_argument("--quick", action="store_true", help="the short version (each in under a few minutes)")
+    parser.add_argument("args", nargs=argparse.REMAINDER,
+                        help="passed to the experiment's script (`conduit experiment NAME -h` shows its options)")
+    parser.epilog = ("Run from a Conduit-JAX checkout (experiments/ is not part of the installed package). Results go "
+                     "to experiments/results/; `conduit experiment report` writes experiments/REPORT.md from them.")
+
+
+def _recorded_runs(results: Path) -> dict:
+    try:
+        data = json.loads((results / "runs.json").read_text())
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _format_experiments(results: Path | None) -> str:
+    runs = _recorded_runs(results) if results is not None else {}
+    lines = [f"{'NAME':<12} {'CLAIM':<6} {'FULL RUN':<26} {'--quick':<16} WHAT"]
+    for e in EXPERIMENTS:
+        recorded = [r for key, r in runs.items() if key.split()[0] == e.name and isinstance(r.get("wall_s"), (int, float))]
+        full = e.full_time
+        if recorded:
+            last = max(recorded, key=lambda r: r.get("date", ""))
+            full = f"{last['wall_s']:.0f} s (run {str(last.get('date', '?'))[:10]})"
+        lines.append(f"{e.name:<12} {e.claim:<6} {full:<26} {e.quick_time:<16} {e.help}")
+    lines.append("")
+    lines.append("FULL RUN: measured on this project's 2-core host (the last recorded run when there is one; est. = "
+                 "estimated, not yet measured). conduit experiment NAME [--quick] [script options]; "
+                 "conduit experiment report regenerates experiments/REPORT.md")
+    return "\n".join(lines)
+
+
+def _import_experiment(module: str):
+    """``experiments.<module>`` from a Conduit-JAX checkout: (module, note) or (None, reason)."""
+    def ours(mod) -> bool:
+        return callable(getattr(mod, "main", None)) and Path(getattr(mod, "__file__", "")).parent.name == "experiments"
+
+    mod, note = _import_from_checkout("experiments", module, "experiments/report.py", ours)
+    if mod is None and note is None:
+        note = ("the experiments (experiments/) are not part of the installed conduit-jax package and there is no "
+                f"experiments/report.py under the current directory {Path.cwd()} or above it. Run `conduit "
+                "experiment` from the root of a Conduit-JAX source checkout (git clone ...; pip install -e '.[bench]')")
+    return mod, note
+
+
+def _missing(modules: Sequence[str]) -> list[str]:
+    import importlib.util
+
+    out = []
+    for name in modules:
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            out.append(name)
+    return out
+
+
+def _take_option(argv: list[str], option: str) -> tuple[str | None, list[str]]:
+    """Remove ``option VALUE`` / ``option=VALUE`` from argv: (value or None, the rest)."""
+    rest, value, i = [], None, 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == option and i + 1 < len(argv):
+            value, i = argv[i + 1], i + 2
+            continue
+        if arg.startswith(option + "="):
+            value = arg.split("=", 1)[1]
+        else:
+            rest.append(arg)
+        i += 1
+    return value, rest
+
+
+def _relative(path: Path, root: Path) -> str:
+    try:
+        return str(path.resolve().relative_to(root.resolve()))
+    except ValueError:
+        return str(path)
+
+
+def _record_run(results: Path, key: str, entry: dict, quick: bool) -> None:
+    """Add the run to experiments/results/runs.json (runs_quick.json for --quick): what ran, how long, what it wrote.
+    The report reads run times from here for result files that do not record their own."""
+    path = results / ("runs_quick.json" if quick else "runs.json")
+    try:
+        data = json.loads(path.read_text()) if path.is_file() else {}
+        if not isinstance(data, dict):
+            data = {}
+    except (OSError, ValueError):
+        data = {}
+    data[key] = entry
+    try:
+        results.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+    except OSError as exc:  # a read-only checkout: the run itself succeeded
+        print(f"conduit experiment: warning: could not record the run in {path}: {exc}", file=sys.stderr)
+
+
+def _run_experiment(args: argparse.Namespace) -> int:
+    import datetime
+    import shlex
+    import time
+
+    rest = list(args.args or [])
+    name = args.name
+    if args.list or name == "list":
+        mod, _ = _import_experiment("report")
+        results = Path(mod.__file__).parent / "results" if mod is not None else None
+        print(_format_experiments(results))
+        return 0
+    if name is None:
+        print(_format_experiments(None))
+        print("conduit experiment: error: name an experiment (or --list)", file=sys.stderr)
+        return 2
+    experiment = _EXPERIMENTS.get(name)
+    if experiment is None:
+        print(f"conduit experiment: error: unknown experiment {name!r}; choose one of "
+              f"{', '.join(_EXPERIMENTS)} (conduit experiment --list)", file=sys.stderr)
+        return 2
+    asked = args.quick or "--quick" in rest  # --quick, given before or after the name
+    rest = [a for a in rest if a != "--quick"]
+    quick = asked or any(flag in rest for flag in experiment.quick_flags)  # a short run: recorded apart
+    flag = ["--quick"] if asked else []
+    missing = _missing(experiment.needs)
+    if missing:
+        extra = "'.[rllib]' -c constraints/cpu.txt" if {"ray", "torch", "conduit_rllib"} & set(missing) else "'.[bench]'"
+        print(f"conduit experiment {name}: error: needs {', '.join(missing)}, not installed here. Install with: "
+              f"pip install {extra}" + (" (and matplotlib for the figures: pip install '.[bench]')"
+                                        if "matplotlib" in missing and "bench" not in extra else ""), file=sys.stderr)
+        return 2
+    if experiment.devices:
+        warning = configure_devices(experiment.devices)
+        if warning:
+            print(f"conduit experiment {name}: warning: {warning}", file=sys.stderr)
+    mod, note = _import_experiment(experiment.module)
+    if mod is None:
+        print(f"conduit experiment {name}: error: {note}", file=sys.stderr)
+        return 2
+    if note:
+        print(f"conduit experiment {name}: {note}", file=sys.stderr)
+    results = Path(getattr(mod, "RESULTS", Path(mod.__file__).parent / "results"))
+    suffix = "_quick" if quick else ""
+    runs: list[tuple[str, list[str], list[Path]]] = []  # (record key, script argv, outputs)
+    if experiment.algos:
+        algo, rest = _take_option(rest, "--algo")
+        out, rest = _take_option(rest, "--out")
+        algos = [algo] if algo else list(experiment.algos)
+        if out and len(algos) > 1:
+            print(f"conduit experiment {name}: error: --out names one file; name one algorithm with --algo",
+                  file=sys.stderr)
+            return 2
+        for a in algos:
+            path = Path(out) if out else results / f"rllib_compare_{a}{suffix}.json"
+            runs.append((f"{name} --algo {a}", ["--algo", a] + flag + rest
+                         + ["--out", str(path)], [path, path.with_suffix(".png")]))
+    else:
+        outputs = [results / f"{stem}{suffix}{ext}" for stem in experiment.outputs for ext in (".json", ".png")]
+        runs.append((name, flag + rest, outputs))
+    status = 0
+    for key, argv, outputs in runs:
+        start, started = time.perf_counter(), time.time()
+        print(f"conduit experiment {name}: python -m experiments.{experiment.module} {shlex.join(argv)}",
+              file=sys.stderr, flush=True)
+        saved, sys.argv = sys.argv, [f"conduit experiment {name}", *argv]  # the script's usage names this command
+        try:
+            result = mod.main(argv)
+        finally:
+            sys.argv = saved
+        code = result if isinstance(result, int) and not isinstance(result, bool) else 0
+        wall = time.perf_counter() - start
+        if code == 0 and experiment.name != "report" and "-h" not in argv and "--help" not in argv:
+            written = [_relative(p, results.parent.parent) for p in outputs
+                       if p.is_file() and p.stat().st_mtime >= started - 1]
+            user = ["experiment", name] + flag + [a for a in args.args or [] if a != "--quick"]
+            _record_run(results, key, {
+                "command": "conduit " + shlex.join(user),
+                "script": f"python -m experiments.{experiment.module} {shlex.join(argv)}",
+                "wall_s": wall, "quick": quick, "outputs": written,
+                "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}, quick)
+            print(f"conduit experiment {name}: done in {wall:.0f} s", file=sys.stderr)
+        status = status or code
+    return status
+
+
 COMMANDS: tuple[Command, ...] = (
     Command("demo", "run synthetic actors -> the data plane -> a jitted DQN learner, and report what the plane did",
             _demo_arguments, _run_demo),
@@ -200,6 +468,9 @@ COMMANDS: tuple[Command, ...] = (
                      "benchmarks/", _bench_arguments, _run_bench),
     Command("plan", "plan where the plane's state lives on a topology (a preset, a JSON file, or this machine) and "
                     "explain why", _plan_arguments, _run_plan),
+    Command("experiment", "run one claim's experiment from a checkout's experiments/ (breakdown, scheduling, "
+                          "ablation, placement, scaling, convergence, gpu, report; --list)",
+            _experiment_arguments, _run_experiment),
 )
 
 
@@ -220,7 +491,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.run(args)

@@ -1,6 +1,16 @@
-"""Experiments: one file per claim. JAX learners (``dqn``, ``ppo``, ``sac``) that use ``conduit_jax`` the way a user
-would, and ``scheduling``, the experiment that compares delivery policies on them. Run each as
-``python -m experiments.<name> --help``.
+"""Experiments: one file per claim, each writing JSON and PNG figures to ``experiments/results/``.
+
+JAX learners that use ``conduit_jax`` the way a user would: ``dqn``, ``ppo``, ``sac`` (on ``envs``). The claims:
+
+  * ``rllib_compare``: native RLlib vs Conduit, per-stage breakdown and convergence (claims 1, 2, 5; ``rllib`` extra);
+  * ``scheduling``: delivery policies on the JAX learners (claim 2);
+  * ``ablation``: baseline / + placement / + scheduling / full on the JAX learners (claim 2);
+  * ``placement_sweep``: delivery latency per memory kind and shard count, the planner's choice (claim 3);
+  * ``scaling``: Ray shard actors measured, the cost model up to 1,024 GPUs (claim 4);
+  * ``gpu``: the breakdown and the placement sweep on one NVIDIA GPU (claim 6);
+  * ``report``: ``experiments/REPORT.md``, every result beside the paper's number, from the JSON files.
+
+Run each as ``python -m experiments.<name> --help``, or ``conduit experiment NAME [--quick]`` (``--list`` lists them).
 
 The few helpers every learner shares (the ``--schedule`` flag and the latency report) live here.
 """

@@ -1,0 +1,211 @@
+"""``conduit experiment``: parsing, --list, dispatch to an experiment's main (mocked), run records, missing extras,
+and short smoke runs of the quick scripts in subprocesses (the long ones are marked slow)."""
+
+import json
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from conduit_jax import cli
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def fake(monkeypatch, tmp_path):
+    """``_import_experiment`` returns a stand-in module whose main records its argv; results go to tmp_path."""
+    calls = []
+
+    def import_experiment(module):
+        def main(argv):
+            calls.append((module, list(argv)))
+            if "--out" in argv:  # what rllib_compare does with --out
+                Path(argv[argv.index("--out") + 1]).write_text("{}")
+            return 0
+
+        mod = types.SimpleNamespace(main=main, RESULTS=tmp_path, __file__=str(tmp_path / f"{module}.py"))
+        return mod, None
+
+    monkeypatch.setattr(cli, "_import_experiment", import_experiment)
+    monkeypatch.setattr(cli, "_missing", lambda modules: [])
+    return calls
+
+
+def test_list_shows_every_experiment_with_its_run_time(capsys):
+    assert cli.main(["experiment", "--list"]) == 0
+    out = capsys.readouterr().out
+    for e in cli.EXPERIMENTS:
+        line = next(x for x in out.splitlines() if x.startswith(e.name + " "))
+        assert e.quick_time in line and e.help in line
+    assert cli.main(["experiment", "list"]) == 0
+    assert "placement" in capsys.readouterr().out
+
+
+def test_list_prefers_the_recorded_full_run_time(fake, tmp_path, capsys):
+    (tmp_path / "runs.json").write_text(json.dumps(
+        {"placement": {"wall_s": 61.4, "date": "2026-11-30T14:00:00+00:00", "outputs": []}}))
+    print(cli._format_experiments(tmp_path))
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("placement "))
+    assert "61 s (run 2026-11-30)" in line
+
+
+def test_no_name_and_unknown_name_exit_2(capsys):
+    assert cli.main(["experiment"]) == 2
+    assert "name an experiment" in capsys.readouterr().err
+    assert cli.main(["experiment", "nope"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown experiment 'nope'" in err and "breakdown" in err
+
+
+def test_dispatch_passes_quick_and_extra_args_through_and_records_the_run(fake, tmp_path):
+    assert cli.main(["experiment", "placement", "--quick", "--batches", "64,256", "--seed", "3"]) == 0
+    assert fake == [("placement_sweep", ["--quick", "--batches", "64,256", "--seed", "3"])]
+    record = json.loads((tmp_path / "runs_quick.json").read_text())["placement"]
+    assert record["command"] == "conduit experiment placement --quick --batches 64,256 --seed 3"
+    assert record["script"].startswith("python -m experiments.placement_sweep --quick")
+    assert record["quick"] is True and record["wall_s"] >= 0
+    assert not (tmp_path / "runs.json").exists()  # quick runs never touch the full runs' record
+
+
+def test_quick_before_the_name_works_too(fake):
+    assert cli.main(["experiment", "--quick", "ablation"]) == 0
+    assert fake == [("ablation", ["--quick"])]
+
+
+def test_gpu_dry_run_is_recorded_as_a_short_run(fake, tmp_path):
+    assert cli.main(["experiment", "gpu", "--dry-run"]) == 0
+    assert fake == [("gpu", ["--dry-run"])]
+    assert "gpu" in json.loads((tmp_path / "runs_quick.json").read_text())
+    assert not (tmp_path / "runs.json").exists()
+
+
+def test_breakdown_runs_each_algorithm_into_its_own_file(fake, tmp_path):
+    assert cli.main(["experiment", "breakdown", "--quick"]) == 0
+    assert [c[1][:2] for c in fake] == [["--algo", "dqn"], ["--algo", "ppo"]]
+    for (_, argv), algo in zip(fake, ("dqn", "ppo")):
+        assert argv[argv.index("--out") + 1] == str(tmp_path / f"rllib_compare_{algo}_quick.json")
+    runs = json.loads((tmp_path / "runs_quick.json").read_text())
+    assert [Path(p).name for p in runs["breakdown --algo dqn"]["outputs"]] == ["rllib_compare_dqn_quick.json"]
+
+
+def test_convergence_covers_sac_and_algo_narrows(fake, tmp_path):
+    assert cli.main(["experiment", "convergence"]) == 0
+    assert [c[1][1] for c in fake] == ["dqn", "ppo", "sac"]
+    assert all("--quick" not in c[1] for c in fake)
+    fake.clear()
+    assert cli.main(["experiment", "breakdown", "--algo=sac", "--seeds", "0", "1"]) == 0
+    assert fake == [("rllib_compare", ["--algo", "sac", "--seeds", "0", "1", "--out",
+                                       str(tmp_path / "rllib_compare_sac.json")])]
+    assert cli.main(["experiment", "breakdown", "--out", "x.json"]) == 2  # one file, two algorithms
+
+
+def test_missing_rllib_extra_names_the_install_command(monkeypatch, capsys):
+    monkeypatch.setattr(cli, "_missing", lambda modules: [m for m in modules if m in ("ray", "torch")])
+    assert cli.main(["experiment", "breakdown", "--quick"]) == 2
+    err = capsys.readouterr().err
+    assert "ray, torch" in err and "pip install '.[rllib]'" in err
+
+
+def test_outside_a_checkout_says_so(monkeypatch, capsys):
+    monkeypatch.setattr(cli, "_import_experiment", lambda module: (None, "run from a source checkout"))
+    monkeypatch.setattr(cli, "_missing", lambda modules: [])
+    assert cli.main(["experiment", "report"]) == 2
+    assert "source checkout" in capsys.readouterr().err
+
+
+def test_checkout_root_is_found_from_a_subdirectory(monkeypatch, tmp_path):
+    (tmp_path / "experiments").mkdir()
+    (tmp_path / "experiments" / "report.py").write_text("")
+    deep = tmp_path / "a" / "b"
+    deep.mkdir(parents=True)
+    monkeypatch.chdir(deep)
+    assert cli._checkout_root("experiments/report.py") == tmp_path
+    monkeypatch.chdir(tmp_path / "a")
+    assert cli._checkout_root("no/such/file.py") is None
+
+
+def test_take_option():
+    assert cli._take_option(["--algo", "sac", "--x"], "--algo") == ("sac", ["--x"])
+    assert cli._take_option(["--algo=ppo"], "--algo") == ("ppo", [])
+    assert cli._take_option(["--x"], "--algo") == (None, ["--x"])
+
+
+def test_report_dispatches_to_the_real_module(tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    out = tmp_path / "REPORT.md"
+    assert cli.main(["experiment", "report", "--results", str(tmp_path), "--bench-results", str(tmp_path),
+                     "--out", str(out)]) == 0
+    assert "Not run yet" in out.read_text()
+    assert not (tmp_path / "runs.json").exists()  # regenerating the report is not an experiment run
+
+
+def test_cli_import_leaves_experiments_and_frameworks_alone():
+    code = ("import sys; from conduit_jax import cli; cli.build_parser(); "
+            "print([m for m in ('experiments', 'torch', 'ray') if m in sys.modules])")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT, check=False,
+                            env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == "[]"
+
+
+def _run(args, timeout=120, **env):
+    return subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT, check=False,
+                          env={**os.environ, "JAX_PLATFORMS": "cpu", **env})
+
+
+def test_placement_sweep_smoke(tmp_path):
+    pytest.importorskip("matplotlib")
+    stem = tmp_path / "ps"
+    result = _run(["experiments.placement_sweep", "--quick", "--batches", "64", "--capacity", "4096", "--no-progress",
+                   "--out", str(stem)])
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads(stem.with_suffix(".json").read_text())
+    assert {r["memory_kind"] for r in report["records"]} == {"device", "pinned_host", "unpinned_host"}
+    assert {r["shards"] for r in report["records"]} == {1, 8}
+    row = report["planner"][0]
+    assert row["predicted_delivery_s"] > 0 and row["measured_median_s"] > 0 and "regret" in row
+    assert report["command"].startswith("python -m experiments.placement_sweep --quick")
+    assert stem.with_suffix(".png").is_file()
+
+
+def test_gpu_dry_run_placement_smoke(tmp_path):
+    pytest.importorskip("matplotlib")
+    result = _run(["experiments.gpu", "--dry-run", "--only", "placement", "--out-dir", str(tmp_path)])
+    assert result.returncode == 0, result.stderr[-2000:]
+    sweep = json.loads((tmp_path / "gpu_placement_sweep_quick.json").read_text())
+    assert sweep["gpu"] is False and sweep["device"]["backend"] == "cpu"  # never marked as a GPU figure on CPU
+    assert not (tmp_path / "gpu_placement_sweep.json").exists()
+    run = json.loads((tmp_path / "gpu_run_quick.json").read_text())
+    assert run["dry_run"] and not run["failed"]
+
+
+def test_gpu_full_run_refuses_without_a_gpu(tmp_path):
+    result = _run(["experiments.gpu", "--out-dir", str(tmp_path)])
+    assert result.returncode == 2 and "no GPU here" in result.stderr
+
+
+@pytest.mark.slow
+def test_gpu_dry_run_breakdown_smoke(tmp_path):
+    pytest.importorskip("matplotlib")
+    result = _run(["experiments.gpu", "--dry-run", "--only", "breakdown", "--out-dir", str(tmp_path)], timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    data = json.loads((tmp_path / "gpu_breakdown_quick.json").read_text())
+    assert data["gpu"] is False and {r["variant"] for r in data["rows"]} == {"baseline", "+placement",
+                                                                            "+scheduling", "full"}
+
+
+@pytest.mark.slow
+def test_ablation_quick_smoke(tmp_path):
+    pytest.importorskip("matplotlib")
+    stem = tmp_path / "ab"
+    result = _run(["experiments.ablation", "--quick", "--only", "ppo", "--no-progress", "--out", str(stem)],
+                  timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    data = json.loads(stem.with_suffix(".json").read_text())
+    variants = {r["variant"] for r in data["rows"]}
+    assert variants == {"baseline", "+placement", "+scheduling", "full", "default_mesh"}
+    assert data["verdict"] and data["noise"]["threshold"] >= 0.05
