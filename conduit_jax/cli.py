@@ -134,11 +134,14 @@ def _checkout_root(marker: str) -> Path | None:
     return None
 
 
-def _import_from_checkout(package: str, module: str, marker: str, ours: Callable[[object], bool]):
+def _import_from_checkout(package: str, module: str, marker: str):
     """``<package>.<module>`` of an installed copy, else of a checkout's ``./<package>`` (the current directory or one
     above it). Neither ``benchmarks`` nor ``experiments`` ships in the conduit-jax wheel. Returns (module, note) with a
     note saying where it was found, or (None, reason)."""
     import importlib
+
+    def ours(mod) -> bool:  # not some other installed package of the same name
+        return callable(getattr(mod, "main", None)) and Path(getattr(mod, "__file__", "")).parent.name == package
 
     try:
         mod = importlib.import_module(f"{package}.{module}")
@@ -165,10 +168,7 @@ def _import_benchmarks(module: str):
     """``benchmarks.<module>`` of an installed suite, else of ``./benchmarks`` (a Conduit-JAX checkout). The suite is
     not part of the conduit-jax package: returns (module, note) with a note saying where it was found, or (None,
     reason)."""
-    def ours(mod) -> bool:
-        return callable(getattr(mod, "main", None)) and Path(getattr(mod, "__file__", "")).parent.name == "benchmarks"
-
-    mod, note = _import_from_checkout("benchmarks", module, "benchmarks/run.py", ours)
+    mod, note = _import_from_checkout("benchmarks", module, "benchmarks/run.py")
     if mod is None and note is None:
         note = ("the benchmark suite (benchmarks/) is not part of the installed conduit-jax package and there is no "
                 f"benchmarks/run.py under the current directory {Path.cwd()} or above it. Run `conduit bench` from a "
@@ -309,10 +309,7 @@ def _format_experiments(results: Path | None) -> str:
 
 def _import_experiment(module: str):
     """``experiments.<module>`` from a Conduit-JAX checkout: (module, note) or (None, reason)."""
-    def ours(mod) -> bool:
-        return callable(getattr(mod, "main", None)) and Path(getattr(mod, "__file__", "")).parent.name == "experiments"
-
-    mod, note = _import_from_checkout("experiments", module, "experiments/report.py", ours)
+    mod, note = _import_from_checkout("experiments", module, "experiments/report.py")
     if mod is None and note is None:
         note = ("the experiments (experiments/) are not part of the installed conduit-jax package and there is no "
                 f"experiments/report.py under the current directory {Path.cwd()} or above it. Run `conduit "

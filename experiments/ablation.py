@@ -56,7 +56,7 @@ from typing import Any
 
 import numpy as np
 
-from experiments.report import RESULTS, caption_text, command_line, learner_breakdown
+from experiments.report import RESULTS, caption_text, command_line, learner_breakdown, write_result
 
 VARIANTS = {  # name: (placement, scheduled?)
     "baseline": ("host", False),
@@ -377,15 +377,7 @@ def main(argv: list[str] | None = None) -> int:
                  args.only.split(",") if args.only else None, not args.no_default_mesh, not args.no_progress)
     report.update({"command": command_line("experiments.ablation", argv), "wall_s": time.perf_counter() - start})
     summarize(report)
-    stem.parent.mkdir(parents=True, exist_ok=True)
-    stem.with_suffix(".json").write_text(json.dumps(report, indent=1))
-    if not args.no_plot:
-        plot(report, stem.with_suffix(".png"))
-    print(format_table(report))
-    print()
-    for line in report["verdict"]:
-        print(line)
-    print(f"\nwrote {stem}.json" + ("" if args.no_plot else " and .png") + f" ({report['wall_s']:.0f} s)")
+    write_result(report, stem, None if args.no_plot else plot, format_table(report))
     return 0
 
 

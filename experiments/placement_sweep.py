@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks import bench_placement, common
-from experiments.report import RESULTS, caption_text, command_line
+from experiments.report import RESULTS, caption_text, command_line, write_result
 
 FULL = {"capacity": 1 << 20, "batches": (16, 64, 256, 1024, 4096, 16384), "shards": (1, 2, 4, 8), "rounds": 7,
         "reps": 25}
@@ -321,15 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     report.update({"quick": args.quick, "command": command_line("experiments.placement_sweep", argv),
                    "wall_s": time.perf_counter() - start})
     summarize(report)
-    stem.parent.mkdir(parents=True, exist_ok=True)
-    stem.with_suffix(".json").write_text(json.dumps(report, indent=1))
-    if not args.no_plot:
-        plot(report, stem.with_suffix(".png"))
-    print(format_table(report))
-    print()
-    for line in report["verdict"]:
-        print(line)
-    print(f"\nwrote {stem}.json" + ("" if args.no_plot else " and .png") + f" ({report['wall_s']:.0f} s)")
+    write_result(report, stem, None if args.no_plot else plot, format_table(report))
     return 0
 
 

@@ -64,6 +64,20 @@ def command_line(module: str, argv: list[str] | None = None) -> str:
     return f"python -m {module}" + (f" {shlex.join(argv)}" if argv else "")
 
 
+def write_result(report: dict, stem: Path, plot, table: str) -> None:
+    """Write ``<stem>.json`` (and ``<stem>.png`` with ``plot(report, path)`` unless it is None), then print the table,
+    the report's verdict lines and what was written."""
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    stem.with_suffix(".json").write_text(json.dumps(report, indent=1))
+    if plot is not None:
+        plot(report, stem.with_suffix(".png"))
+    print(table)
+    print()
+    for line in report["verdict"]:
+        print(line)
+    print(f"\nwrote {stem}.json" + ("" if plot is None else " and .png") + f" ({report['wall_s']:.0f} s)")
+
+
 def caption_text(report: dict) -> str:
     """One caption line for a figure: the command, seeds, run time, machine and date."""
     env = report.get("environment") or {}
