@@ -350,6 +350,12 @@ def test_epoch_staging_covers_every_row_each_epoch():
     first = batches[0].policy_batches["p"]
     np.testing.assert_array_equal(first["obs"].numpy(), batch["obs"][first["row"].long()].numpy())
     assert first["big"].dtype == torch.int32  # int64 narrowed (x64 off)
+    # the next train batch (another size, same plane): only its rows, every one once per epoch
+    n2 = 64
+    batch2 = SampleBatch({k: v[:n2] + 100 if k == "row" else v[:n2] for k, v in batch.items()})
+    again = list(staging.minibatches("p", batch2, num_epochs=1, minibatch_size=minibatch, device=torch.device("cpu")))
+    rows = torch.cat([b.policy_batches["p"]["row"] for b in again]).numpy()
+    assert len(again) == 4 and sorted(rows.tolist()) == list(range(100, 100 + n2))
 
 
 # ------------------------------------------------------------------------------------------------------------------

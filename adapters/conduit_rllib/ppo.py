@@ -12,8 +12,10 @@ code is unchanged) changes two steps of ``Learner.update`` and keeps the rest:
    ``AddOneTsToEpisodesAndTruncate``).
 2. **Epoch minibatches from the plane.** Instead of RLlib's ``MiniBatchCyclicIterator`` (slices and per-epoch
    shuffles of torch tensors), the finished train batch is ingested into an ``ExperienceDataPlane`` with
-   ``samplers.epochs(minibatch_size)`` (torch -> JAX zero-copy for the duration of the ingest) and every minibatch is a
-   plane delivery handed to torch through DLPack (zero-copy). The batch of ``n`` rows is padded cyclically to
+   ``samplers.epochs(minibatch_size)`` (torch -> JAX zero-copy for the duration of the ingest). Each epoch's
+   minibatches come out of one jitted call (the plane's pure sampling step scanned over the epoch, state donated)
+   and reach torch through DLPack once per column per epoch (zero-copy); a minibatch is a view of that block. One
+   delivery and one DLPack hand-over per minibatch cost ~0.75 ms per minibatch here, 4x RLlib's slicing. The batch of ``n`` rows is padded cyclically to
    ``C = ceil(n / minibatch_size) * minibatch_size`` rows (its first ``C - n`` rows once more, as RLlib's cyclic
    iterator also repeats rows), so each epoch is ``C / minibatch_size`` minibatches with every row at least once
    (RLlib: ``ceil(num_epochs * n / minibatch_size)`` minibatches in all, so up to ``num_epochs - 1`` fewer). The
@@ -32,6 +34,7 @@ import dataclasses
 import functools
 import math
 import time
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -136,6 +139,7 @@ class EpochStaging:
         self.seed = seed
         self.max_planes = max_planes
         self._planes: collections.OrderedDict = collections.OrderedDict()  # key -> (plane, empty storage)
+        self._epoch_kernels: dict[tuple[int, int], Any] = {}  # (id(plane), minibatches) -> jitted epoch
         self.seconds = 0.0  # ingest + deliveries + DLPack, excluding the learner's own work between minibatches
 
     def _plane(self, spec: ExperienceSpec, rows: int, minibatch: int, module_id: str) -> ExperienceDataPlane:
@@ -147,7 +151,8 @@ class EpochStaging:
                                         seed=self.seed)
             entry = (plane, jax.tree_util.tree_map(jnp.copy, plane.state.storage))
             while len(self._planes) >= self.max_planes:
-                self._planes.popitem(last=False)
+                evicted, _ = self._planes.popitem(last=False)[1]
+                self._epoch_kernels = {k: v for k, v in self._epoch_kernels.items() if k[0] != id(evicted)}
         self._planes[key] = entry
         plane, empty = entry
         # drop the previous batch: fresh (empty) storage, the sampler's key and epoch counter carry on
@@ -171,14 +176,37 @@ class EpochStaging:
         plane.ingest(arrays)
         del arrays, columns
         self.seconds += time.perf_counter() - start
+        per_epoch = rows // size
+        epoch = self._epoch_kernel(plane, per_epoch)
         for _ in range(num_epochs):
-            for _ in range(rows // size):
+            start = time.perf_counter()
+            state, blocks = epoch(plane.state)
+            plane.state = state
+            # [per_epoch, size, ...] per column; the learner sees one view per minibatch
+            tensors = jax.tree_util.tree_map(lambda a: jax_to_torch(a, device=device), blocks)
+            self.seconds += time.perf_counter() - start
+            for i in range(per_epoch):
                 start = time.perf_counter()
-                data = plane.sample().data
-                batch = jax.tree_util.tree_map(lambda a: jax_to_torch(a, device=device), data)
+                batch = {key: tensor[i] for key, tensor in tensors.items()}
                 out = MultiAgentBatch({module_id: SampleBatch(batch)}, env_steps=n)
                 self.seconds += time.perf_counter() - start
                 yield out
+
+    def _epoch_kernel(self, plane: ExperienceDataPlane, per_epoch: int):
+        """One jitted call delivering an epoch's ``per_epoch`` minibatches: the plane's pure sampling step scanned
+        over the epoch (the state is donated and stored back by the caller)."""
+        key = (id(plane), per_epoch)
+        if key not in self._epoch_kernels:
+            step = plane.sample_fn()
+
+            def epoch(state):
+                def one(state, _):
+                    state, delivery = step(state)
+                    return state, delivery.data
+                return jax.lax.scan(one, state, None, length=per_epoch)
+
+            self._epoch_kernels[key] = jax.jit(epoch, donate_argnums=0)
+        return self._epoch_kernels[key]
 
 
 class ConduitPPOTorchLearner(PPOTorchLearner):
