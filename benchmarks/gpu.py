@@ -14,7 +14,8 @@ HBM) and ``cpprb-per`` (host, reference) where those libraries are installed. Ev
 ``block_until_ready``. Each record says where the ring rows actually were after the timing (``actual_memory_kind``):
 a kind the plane does not keep is visible, not silently measured as another.
 
-API NOTE. ``ExperienceDataPlane`` has no memory-kind (or placement plan) argument and builds its ingest kernels with
+API NOTE. ``ExperienceDataPlane`` takes a placement plan (``plan=``: a ``placement.Plan`` carries a memory kind for
+each part of the state) but no bare memory-kind argument, and without a plan builds its ingest kernels with
 ``out_shardings`` of the default memory kind, so an ingest would move a state placed elsewhere back to device
 memory. This script therefore sets the plane's private ``_shardings`` to the requested kind before any ingest kernel
 is built (benchmark-only; reported to the lead) and records the kinds found after the run.
