@@ -240,7 +240,8 @@ EXPERIMENTS: tuple[Experiment, ...] = (
     Experiment("breakdown", "rllib_compare", "1, 2",
                "RLlib native vs Conduit, per-stage iteration breakdown and experience-path share (DQN, PPO; "
                "--algo dqn|ppo|sac for one)",
-               "~5.5 min per algo (est.)", "~1 min per algo", needs=_RLLIB, algos=("dqn", "ppo")),
+               "12 min DQN, 7 min PPO (19 min SAC)", "~1 min per algo", needs=_RLLIB,
+               algos=("dqn", "ppo")),
     Experiment("scheduling", "scheduling", "2",
                "delivery schedules (sync/overlap/deferred/adaptive/fused) on the JAX learners: exposed and iteration "
                "latency", "3.2 min", "~2 min", outputs=("scheduling",),
@@ -253,11 +254,11 @@ EXPERIMENTS: tuple[Experiment, ...] = (
                "predicted cost beside the measured one", "45 s", "~10 s", outputs=("placement_sweep",),
                needs=("matplotlib",), devices=8),
     Experiment("scaling", "scaling", "4",
-               "1 -> 4 Ray shard actors measured here, the cost model up to 1,024 GPUs",
-               "3-4 min", "~2 min", outputs=("scaling",), needs=("ray", "matplotlib")),
+               "1 -> 8 emulated devices and 1 -> 4 Ray shard actors measured here, the cost model up to 1,024 GPUs",
+               "3.6 min", "~2 min", outputs=("scaling",), needs=("ray", "matplotlib")),
     Experiment("convergence", "rllib_compare", "5",
                "learning curves over 3 seeds with and without Conduit, Welch's t-test of final returns (DQN, PPO, "
-               "SAC; --algo for one)", "~5.5 min per algo (est.)", "~1 min per algo", needs=_RLLIB,
+               "SAC; --algo for one)", "12 min DQN, 7 min PPO, 19 min SAC", "~1 min per algo", needs=_RLLIB,
                algos=("dqn", "ppo", "sac")),
     Experiment("gpu", "gpu", "6",
                "on one NVIDIA GPU (H200): the JAX learners' breakdown and the placement sweep in device / pinned_host "

@@ -6,7 +6,8 @@ JAX learners that use ``conduit_jax`` the way a user would: ``dqn``, ``ppo``, ``
   * ``scheduling``: delivery policies on the JAX learners (claim 2);
   * ``ablation``: baseline / + placement / + scheduling / full on the JAX learners (claim 2);
   * ``placement_sweep``: delivery latency per memory kind and shard count, the planner's choice (claim 3);
-  * ``scaling``: Ray shard actors measured, the cost model up to 1,024 GPUs (claim 4);
+  * ``scaling``: 1 -> 8 emulated devices and 1 -> 4 Ray shard actors measured, the cost model up to 1,024 GPUs
+    (claim 4);
   * ``gpu``: the breakdown and the placement sweep on one NVIDIA GPU (claim 6);
   * ``report``: ``experiments/REPORT.md``, every result beside the paper's number, from the JSON files.
 
