@@ -53,9 +53,10 @@ def pick(block, target):
     has positive mass: the target is clamped into [0, total) first (float32 rounding can overshoot the total, or go
     negative), and inside that range the first child whose cumulative sum exceeds the target has positive mass.
 
-    The running sums are K explicit adds, materialised once, and the chosen child is read with a one-hot select:
-    ``jnp.cumsum`` (a reduce-window) and ``take_along_axis`` (gathers) made the descent 1.7x slower, and a chain of
-    selects over the running sums was recomputed inside the fusion for every output (1.5x slower)."""
+    The running sums are K explicit adds in ``child_sums``' order, so the last one is exactly the parent's stored
+    value, materialised once; the chosen child is read with a one-hot select instead of ``take_along_axis`` gathers.
+    (A chain of selects over the running sums, tried instead, was recomputed inside the fusion for every output and
+    made sampling slower.)"""
     arity = block.shape[-1]
     running = [block[..., 0]]
     for j in range(1, arity):
