@@ -91,20 +91,18 @@ class RowLayout(NamedTuple):
         ``aligned_empty``), else a fresh array. One array crosses to the device instead of one per leaf, and the
         caller's buffers are never aliased."""
         out = aligned_empty((rows, self.row_words)) if out is None else out
+        out_bytes = out.view(np.uint8)  # each leaf's bytes go straight into its words, no temporary per leaf
         for leaf, slot, dtype in zip(leaves, self.slots, self.spec.dtypes):
             if slot.elems == 0:
                 continue
             x = np.asarray(leaf)[start:start + count].reshape(count, slot.elems)
             if x.dtype != dtype:
                 x = x.astype(dtype)  # 64-bit input admitted by cast=True
-            target = out[:count, slot.offset:slot.offset + slot.words]
-            if slot.per_word == 1:
-                target[...] = x.view(np.uint32)
-                continue
-            store = np.uint8 if dtype == np.bool_ else dtype
-            padded = np.zeros((count, slot.words * slot.per_word), store)
-            padded[:, :slot.elems] = x.view(store) if dtype == np.bool_ else x
-            target[...] = padded.view(np.uint32)
+            data = np.ascontiguousarray(x).view(np.uint8)  # bool is one byte 0/1, as pack's astype(uint8)
+            first, end = 4 * slot.offset, 4 * (slot.offset + slot.words)
+            out_bytes[:count, first:first + data.shape[1]] = data
+            if first + data.shape[1] < end:  # the last word's unused bytes: zero, as pack pads
+                out_bytes[:count, first + data.shape[1]:end] = 0
         return out
 
     def unpack(self, rows: jax.Array):

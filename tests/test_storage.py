@@ -108,6 +108,24 @@ def test_mixed_layout_offsets_and_round_trip():
         assert_bits_equal(nested[k][1, 5], batch[k][4])
 
 
+def test_host_packing_matches_device_packing_bit_for_bit():
+    """The shell packs NumPy batches on the host (pack_host) and device arrays in the kernel (pack): the same rows,
+    padding included, for every dtype and word alignment, also into a reused, dirty output array and for a slice of
+    the batch with padding rows past it."""
+    spec = ExperienceSpec.from_structs({k: jax.ShapeDtypeStruct(s, d) for k, (s, d, _) in MIXED.items()})
+    layout = storage.RowLayout.of(spec)
+    rng = np.random.default_rng(1)
+    batch = {k: random_leaf(rng, 9, s, d) for k, (s, d, _) in MIXED.items()}
+    leaves = jax.tree_util.tree_leaves(batch)
+    device = np.asarray(jax.jit(layout.pack)(batch))
+    np.testing.assert_array_equal(layout.pack_host(leaves, 0, 9, 9), device)
+    dirty = storage.aligned_empty((16, layout.row_words))
+    dirty[...] = 0xDEADBEEF
+    packed = layout.pack_host(leaves, 2, 5, 16, out=dirty)
+    assert packed is dirty
+    np.testing.assert_array_equal(packed[:5], device[2:7])
+
+
 def test_pack_puts_each_leaf_in_its_own_words():
     """Padding of a sub-word leaf is zeros and never spills into the next leaf's words."""
     spec = ExperienceSpec.from_example({"a": np.zeros((3,), np.uint8), "b": np.uint8(0)})
