@@ -449,9 +449,6 @@ def sequences(batch_size: int, length: int, streams: int, *, burn_in: int = 0, p
     def on_insert(state: PriorityState, view: InsertView):
         stride = streams // view.num_shards
         k = view.slots.shape[0]
-        # the new rows void whatever window started at their slots (those items are gone)
-        levels = sumtree.set_run(state.levels, view.slots[0], jnp.zeros((k,), jnp.float32), view.valid,
-                                 view.shard_capacity)
         # each new row completes the window that starts window-1 steps earlier in its stream
         back = lax.iota(jnp.int32, window)[::-1] * stride  # window-1, ..., 1, 0 steps back
         members = (view.slots[:, None] - back[None, :]) % view.shard_capacity  # [k, window] slots, oldest first
@@ -472,10 +469,18 @@ def sequences(batch_size: int, length: int, streams: int, *, burn_in: int = 0, p
                 - (window - 1) * stride
             eligible &= ((start_position % modulus) // stride) % period == 0
         value = _mass(state.max_priority, exponent, eps) if weighted else jnp.float32(1.0)
-        # the window starts are a run too (each new row's slot, window-1 steps back); a start that is not eligible
-        # keeps mass 0: it was zeroed when its own row was written and no window has completed there since
-        levels = sumtree.set_run(levels, members[0, 0], jnp.where(eligible, value, 0.0), view.valid,
-                                 view.shard_capacity)
+        # One run of slots from the first completed window's start to the last new row: the window starts (each new
+        # row's slot, window-1 steps back) get their mass, then the new rows' own slots get 0 (the windows that
+        # started there are gone with their items) unless a window starting there just completed. A start that is
+        # not eligible keeps mass 0: it was zeroed when its own row was written and no window completed there since.
+        # (Two runs, one after the other, made XLA copy every level of the tree on each ingest.)
+        back_steps = (window - 1) * stride
+        j = lax.iota(jnp.int32, k + back_steps)
+        is_start, is_new = j < k, j >= back_steps
+        starts = jnp.where(eligible, value, 0.0)
+        values = jnp.where(is_start, starts[jnp.minimum(j, k - 1)], 0.0)
+        valid = (is_start & view.valid[jnp.minimum(j, k - 1)]) | (is_new & view.valid[jnp.maximum(j - back_steps, 0)])
+        levels = sumtree.set_run(state.levels, members[0, 0], values, valid, view.shard_capacity)
         return replace(state, levels=levels)
 
     def mask(data):

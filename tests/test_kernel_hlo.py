@@ -46,6 +46,20 @@ def test_ingest_writes_in_place(plane):
     assert large_copies(kernel.lower(plane.state, block, np.int32(1000)).compile().as_text()) == []
 
 
+@pytest.mark.parametrize("pad", [False, True], ids=["nopad", "pad"])
+def test_sequence_ingest_writes_the_tree_in_place(pad):
+    """A sequences ingest zeroes the new rows' window starts and marks the windows they complete: two runs over the
+    tree, one after the other, made XLA copy every level on each call."""
+    spec = {**SPEC, "terminated": jax.ShapeDtypeStruct((), np.bool_), "truncated": jax.ShapeDtypeStruct((), np.bool_)}
+    plane = ExperienceDataPlane(spec, CAPACITY, samplers.sequences(8, 4, streams=8, pad=pad), mesh=default_mesh(1))
+    rng = np.random.default_rng(0)
+    items = {**batch(512), "terminated": rng.random(512) < 0.05, "truncated": np.zeros(512, bool)}
+    plane.ingest(items)
+    block = plane.config.layout.pack_host(jax.tree_util.tree_leaves(items), 0, 512, 512)
+    hlo = plane._ingest_kernel(512, True).lower(plane.state, block, np.int32(512)).compile().as_text()
+    assert large_copies(hlo) == []
+
+
 def test_sample_update_and_fused_kernels_copy_nothing_large(plane):
     state = plane.state
     rest = _replace(state, storage=None)
