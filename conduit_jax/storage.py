@@ -91,14 +91,24 @@ class RowLayout(NamedTuple):
         ``aligned_empty``), else a fresh array. One array crosses to the device instead of one per leaf, and the
         caller's buffers are never aliased."""
         out = aligned_empty((rows, self.row_words)) if out is None else out
-        out_bytes = out.view(np.uint8)  # each leaf's bytes go straight into its words, no temporary per leaf
+        out_bytes = out.view(np.uint8)
         for leaf, slot, dtype in zip(leaves, self.slots, self.spec.dtypes):
             if slot.elems == 0:
                 continue
             x = np.asarray(leaf)[start:start + count].reshape(count, slot.elems)
             if x.dtype != dtype:
                 x = x.astype(dtype)  # 64-bit input admitted by cast=True
+            if slot.per_word == 1:  # copied word by word (a byte-wise copy of 4-byte columns is 2.7x slower)
+                out[:count, slot.offset:slot.offset + slot.words] = x.view(np.uint32)
+                continue
             data = np.ascontiguousarray(x).view(np.uint8)  # bool is one byte 0/1, as pack's astype(uint8)
+            if data.shape[1] < 64:  # a few bytes per item: pad to whole words in a small temporary, copy words
+                padded = np.zeros((count, slot.words), np.uint32)
+                padded.view(np.uint8)[:, :data.shape[1]] = data
+                out[:count, slot.offset:slot.offset + slot.words] = padded
+                continue
+            # wide 1- and 2-byte leaves (image frames): bytes straight into their words; a zero-filled temporary of
+            # megabytes faulted its pages in on every batch
             first, end = 4 * slot.offset, 4 * (slot.offset + slot.words)
             out_bytes[:count, first:first + data.shape[1]] = data
             if first + data.shape[1] < end:  # the last word's unused bytes: zero, as pack pads

@@ -110,12 +110,14 @@ def test_mixed_layout_offsets_and_round_trip():
 
 def test_host_packing_matches_device_packing_bit_for_bit():
     """The shell packs NumPy batches on the host (pack_host) and device arrays in the kernel (pack): the same rows,
-    padding included, for every dtype and word alignment, also into a reused, dirty output array and for a slice of
-    the batch with padding rows past it."""
-    spec = ExperienceSpec.from_structs({k: jax.ShapeDtypeStruct(s, d) for k, (s, d, _) in MIXED.items()})
+    padding included, for every dtype and word alignment, narrow and wide (image-like) leaves, also into a reused,
+    dirty output array and for a slice of the batch with padding rows past it."""
+    shapes = {k: (s, d) for k, (s, d, _) in MIXED.items()} | {"wide_u8": ((67,), np.uint8),
+                                                                 "wide_bf16": ((33,), jnp.bfloat16)}
+    spec = ExperienceSpec.from_structs({k: jax.ShapeDtypeStruct(s, d) for k, (s, d) in shapes.items()})
     layout = storage.RowLayout.of(spec)
     rng = np.random.default_rng(1)
-    batch = {k: random_leaf(rng, 9, s, d) for k, (s, d, _) in MIXED.items()}
+    batch = {k: random_leaf(rng, 9, s, d) for k, (s, d) in shapes.items()}
     leaves = jax.tree_util.tree_leaves(batch)
     device = np.asarray(jax.jit(layout.pack)(batch))
     np.testing.assert_array_equal(layout.pack_host(leaves, 0, 9, 9), device)
