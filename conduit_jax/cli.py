@@ -240,7 +240,7 @@ EXPERIMENTS: tuple[Experiment, ...] = (
     Experiment("breakdown", "rllib_compare", "1, 2",
                "RLlib native vs Conduit, per-stage iteration breakdown and experience-path share (DQN, PPO; "
                "--algo dqn|ppo|sac for one)",
-               "12 min DQN, 7 min PPO (19 min SAC)", "~1 min per algo", needs=_RLLIB,
+               "DQN 12, PPO 7 min", "~1 min per algo", needs=_RLLIB,
                algos=("dqn", "ppo")),
     Experiment("scheduling", "scheduling", "2",
                "delivery schedules (sync/overlap/deferred/adaptive/fused) on the JAX learners: exposed and iteration "
@@ -258,7 +258,7 @@ EXPERIMENTS: tuple[Experiment, ...] = (
                "3.6 min", "~2 min", outputs=("scaling",), needs=("ray", "matplotlib")),
     Experiment("convergence", "rllib_compare", "5",
                "learning curves over 3 seeds with and without Conduit, Welch's t-test of final returns (DQN, PPO, "
-               "SAC; --algo for one)", "12 min DQN, 7 min PPO, 19 min SAC", "~1 min per algo", needs=_RLLIB,
+               "SAC; --algo for one)", "12/7/19 min (DQN/PPO/SAC)", "~1 min per algo", needs=_RLLIB,
                algos=("dqn", "ppo", "sac")),
     Experiment("gpu", "gpu", "6",
                "on one NVIDIA GPU (H200): the JAX learners' breakdown and the placement sweep in device / pinned_host "
