@@ -474,12 +474,11 @@ def sequences(batch_size: int, length: int, streams: int, *, burn_in: int = 0, p
         # started there are gone with their items) unless a window starting there just completed. A start that is
         # not eligible keeps mass 0: it was zeroed when its own row was written and no window completed there since.
         # (Two runs, one after the other, made XLA copy every level of the tree on each ingest.)
+        # run entry j: the window start of new row j (j < k), the slot of new row j - back_steps (j >= back_steps)
         back_steps = (window - 1) * stride
-        j = lax.iota(jnp.int32, k + back_steps)
-        is_start, is_new = j < k, j >= back_steps
-        starts = jnp.where(eligible, value, 0.0)
-        values = jnp.where(is_start, starts[jnp.minimum(j, k - 1)], 0.0)
-        valid = (is_start & view.valid[jnp.minimum(j, k - 1)]) | (is_new & view.valid[jnp.maximum(j - back_steps, 0)])
+        no_step = jnp.zeros((back_steps,), jnp.bool_)
+        values = jnp.concatenate([jnp.where(eligible, value, 0.0), jnp.zeros((back_steps,), jnp.float32)])
+        valid = jnp.concatenate([view.valid, no_step]) | jnp.concatenate([no_step, view.valid])
         levels = sumtree.set_run(state.levels, members[0, 0], values, valid, view.shard_capacity)
         return replace(state, levels=levels)
 
