@@ -13,14 +13,15 @@ code is unchanged) changes two steps of ``Learner.update`` and keeps the rest:
 2. **Epoch minibatches from the plane.** Instead of RLlib's ``MiniBatchCyclicIterator`` (slices and per-epoch
    shuffles of torch tensors), the finished train batch is ingested into an ``ExperienceDataPlane`` with
    ``samplers.epochs(minibatch_size)`` (torch -> JAX zero-copy for the duration of the ingest). Each epoch's
-   minibatches come out of one jitted call (the plane's pure sampling step scanned over the epoch, state donated)
-   and reach torch through DLPack once per column per epoch (zero-copy); a minibatch is a view of that block. One
-   delivery and one DLPack hand-over per minibatch cost ~0.75 ms per minibatch here, 4x RLlib's slicing. The batch of ``n`` rows is padded cyclically to
-   ``C = ceil(n / minibatch_size) * minibatch_size`` rows (its first ``C - n`` rows once more, as RLlib's cyclic
-   iterator also repeats rows), so each epoch is ``C / minibatch_size`` minibatches with every row at least once
-   (RLlib: ``ceil(num_epochs * n / minibatch_size)`` minibatches in all, so up to ``num_epochs - 1`` fewer). The
-   plane's capacity is ``minibatch_size`` times a power of two and its storage is emptied before each batch, so the
-   varying ``n`` (train batch + one bootstrap row per episode chunk) reuses one compiled plane.
+   minibatches come out of one jitted call (the plane's pure sampling step scanned over the epoch, state donated) and
+   reach torch through DLPack once per column per epoch (zero-copy); a minibatch is a view of that block. One
+   delivery and one DLPack hand-over per minibatch cost ~0.75 ms per minibatch here, 4x RLlib's slicing. The batch of
+   ``n`` rows is padded cyclically to ``C = ceil(n / minibatch_size) * minibatch_size`` rows (its first ``C - n``
+   rows once more, as RLlib's cyclic iterator also repeats rows), so each epoch is ``C / minibatch_size`` minibatches
+   with every row at least once (RLlib: ``ceil(num_epochs * n / minibatch_size)`` minibatches in all, so up to
+   ``num_epochs - 1`` fewer). The plane's capacity is ``minibatch_size`` times a power of two and its storage is
+   emptied before each batch, so the varying ``n`` (train batch + one bootstrap row per episode chunk) reuses one
+   compiled plane.
 
 Every epoch is a fresh shuffle (RLlib shuffles only with ``shuffle_batch_per_epoch``, PPO's default). Falls back to
 RLlib's own iterator without ``minibatch_size``, for multi-module batches, ``num_total_minibatches`` (several
@@ -34,7 +35,6 @@ import dataclasses
 import functools
 import math
 import time
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -138,26 +138,26 @@ class EpochStaging:
     def __init__(self, seed: int = 0, max_planes: int = 4):
         self.seed = seed
         self.max_planes = max_planes
-        self._planes: collections.OrderedDict = collections.OrderedDict()  # key -> (plane, empty storage)
-        self._epoch_kernels: dict[tuple[int, int], Any] = {}  # (id(plane), minibatches) -> jitted epoch
+        # key -> (plane, its empty storage, {minibatches per epoch: jitted epoch})
+        self._planes: collections.OrderedDict = collections.OrderedDict()
         self.seconds = 0.0  # ingest + deliveries + DLPack, excluding the learner's own work between minibatches
 
-    def _plane(self, spec: ExperienceSpec, rows: int, minibatch: int, module_id: str) -> ExperienceDataPlane:
+    def _plane(self, spec: ExperienceSpec, rows: int, minibatch: int, module_id: str):
+        """The plane for this batch (its storage emptied) and its cache of compiled epochs."""
         capacity = minibatch * (1 << max(0, (rows // minibatch - 1).bit_length()))
         key = (module_id, spec, minibatch, capacity)
         entry = self._planes.pop(key, None)
         if entry is None:
             plane = ExperienceDataPlane(spec, capacity, samplers.epochs(minibatch), mesh=default_mesh(1),
                                         seed=self.seed)
-            entry = (plane, jax.tree_util.tree_map(jnp.copy, plane.state.storage))
+            entry = (plane, jax.tree_util.tree_map(jnp.copy, plane.state.storage), {})
             while len(self._planes) >= self.max_planes:
-                evicted, _ = self._planes.popitem(last=False)[1]
-                self._epoch_kernels = {k: v for k, v in self._epoch_kernels.items() if k[0] != id(evicted)}
+                self._planes.popitem(last=False)
         self._planes[key] = entry
-        plane, empty = entry
+        plane, empty, epochs = entry
         # drop the previous batch: fresh (empty) storage, the sampler's key and epoch counter carry on
         plane.state = dataclasses.replace(plane.state, storage=jax.tree_util.tree_map(jnp.copy, empty))
-        return plane
+        return plane, epochs
 
     def minibatches(self, module_id: str, module_batch: SampleBatch, *, num_epochs: int, minibatch_size: int,
                     device: torch.device):
@@ -171,13 +171,15 @@ class EpochStaging:
         arrays = jax.tree_util.tree_map(lambda t: torch_to_jax(t, copy=False), columns)
         spec = ExperienceSpec.from_structs(jax.tree_util.tree_map(
             lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), arrays))
-        plane = self._plane(spec, rows, size, module_id)
+        plane, epochs = self._plane(spec, rows, size, module_id)
         # the JAX arrays alias torch memory only while ingest runs: the plane packs them and keeps no reference
         plane.ingest(arrays)
         del arrays, columns
         self.seconds += time.perf_counter() - start
         per_epoch = rows // size
-        epoch = self._epoch_kernel(plane, per_epoch)
+        if per_epoch not in epochs:
+            epochs[per_epoch] = _epoch_kernel(plane, per_epoch)
+        epoch = epochs[per_epoch]
         for _ in range(num_epochs):
             start = time.perf_counter()
             state, blocks = epoch(plane.state)
@@ -192,21 +194,19 @@ class EpochStaging:
                 self.seconds += time.perf_counter() - start
                 yield out
 
-    def _epoch_kernel(self, plane: ExperienceDataPlane, per_epoch: int):
-        """One jitted call delivering an epoch's ``per_epoch`` minibatches: the plane's pure sampling step scanned
-        over the epoch (the state is donated and stored back by the caller)."""
-        key = (id(plane), per_epoch)
-        if key not in self._epoch_kernels:
-            step = plane.sample_fn()
 
-            def epoch(state):
-                def one(state, _):
-                    state, delivery = step(state)
-                    return state, delivery.data
-                return jax.lax.scan(one, state, None, length=per_epoch)
+def _epoch_kernel(plane: ExperienceDataPlane, per_epoch: int):
+    """One jitted call delivering an epoch's ``per_epoch`` minibatches: the plane's pure sampling step scanned over
+    the epoch (the state is donated and stored back by the caller)."""
+    step = plane.sample_fn()
 
-            self._epoch_kernels[key] = jax.jit(epoch, donate_argnums=0)
-        return self._epoch_kernels[key]
+    def epoch(state):
+        def one(state, _):
+            state, delivery = step(state)
+            return state, delivery.data
+        return jax.lax.scan(one, state, None, length=per_epoch)
+
+    return jax.jit(epoch, donate_argnums=0)
 
 
 class ConduitPPOTorchLearner(PPOTorchLearner):
