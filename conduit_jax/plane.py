@@ -92,7 +92,11 @@ class ExperienceDataPlane:
         # the status scalars the shell decides on (size, deliverable, limiter balance), kept in step on the host by
         # the same arithmetic the kernels do; reading them from the device would wait for every batch in flight.
         # None: unknown (fresh state assigned from outside), read from the device once.
-        self._counters: Optional[dict[str, Optional[int]]] = None
+        self._counters: Optional[dict[str, Any]] = None
+        # a sampler whose deliverable count is an index (windows or items with mass), not arithmetic on calls: each
+        # kernel that can change it also returns it, and the shell reads that scalar only when a check needs it,
+        # by then long computed (a status kernel of its own cost ~100 us on every sample)
+        self._reports_deliverable = self.sampler.deliverable is not None and not self.sampler.consumes
         # XLA:CPU runs the collectives of an emulated multi-device mesh in-process; with many multi-device programs
         # queued on few cores one device's part can miss the rendezvous and XLA aborts the process (seen here after
         # ~300 back-to-back priority updates on 8 emulated devices). There, each kernel completes before the next.
@@ -118,14 +122,33 @@ class ExperienceDataPlane:
         config, shardings = self.config, self._shardings
         rest = _replace(shardings, storage=None)
         self._ingest_kernels: dict[tuple[int, bool], Any] = {}  # (rows, host-packed) -> kernel
-        self._sample_kernel = _reading_storage(functools.partial(replay.sample, config), shardings, rest, 1)
-        self._version_kernel = _reading_storage(lambda state, version: (
-            replay.set_policy_version(config, state, version),), shardings, rest, 0)
+        report = self._reporting  # + the deliverable count, for samplers that keep it in an index
+        reported = int(self._reports_deliverable)
+
+        def update_sample(state, ids, priorities, valid):
+            return replay.sample(config, _replace(state, sampler=replay.update(config, state, ids, priorities, valid)))
+
+        self._sample_kernel = _reading_storage(report(functools.partial(replay.sample, config)), shardings, rest,
+                                               1 + reported)
+        self._update_sample_kernel = _reading_storage(report(update_sample), shardings, rest, 1 + reported)
+        self._version_kernel = _reading_storage(report(lambda state, version: (
+            replay.set_policy_version(config, state, version),)), shardings, rest, reported)
         self._update_kernel = _reading_storage(lambda state, ids, priorities, valid: (
             _replace(state, sampler=replay.update(config, state, ids, priorities, valid)),), shardings, rest, 0)
-        self._update_sample_kernel = _reading_storage(lambda state, ids, priorities, valid: replay.sample(
-            config, _replace(state, sampler=replay.update(config, state, ids, priorities, valid))), shardings, rest, 1)
         self._status_kernel = jax.jit(lambda state: replay.status(config, _computable(state, shardings)))
+
+    def _reporting(self, step):
+        """``step(state, *args) -> (state', *outputs)``, with the deliverable count after it as one more output when
+        the sampler's count is an index (see ``_reports_deliverable``)."""
+        if not self._reports_deliverable:
+            return step
+        config = self.config
+
+        def reporting_step(state, *args):
+            new_state, *outputs = step(state, *args)
+            return (new_state, *outputs, replay.deliverable(config, new_state))
+
+        return reporting_step
 
     # -- properties ---------------------------------------------------------------------------------------------
     @property
@@ -195,10 +218,11 @@ class ExperienceDataPlane:
                     # compile once per batch size)
                     block, packed = self.config.layout.pack_host(leaves, start, m, rows, self._staging(rows)), True
                 with self._counting_compiles(f"ingest[{rows}{',packed' if packed else ''}]"):
-                    self._state = self._settled(self._ingest_kernel(rows, packed)(self._state, block, np.int32(m)))
+                    self._state, *reported = self._settled(
+                        self._ingest_kernel(rows, packed)(self._state, block, np.int32(m)))
                 if packed:
                     self._last_staging = (block, self._state.storage.cursor)
-            self._count_ingest(n)
+            self._count_ingest(n, reported)
             self.timeline.record("ingest", start_time, time.perf_counter())
             self._changed.notify_all()
 
@@ -239,9 +263,10 @@ class ExperienceDataPlane:
         kernel = self._ingest_kernels.get((rows, packed))
         if kernel is None:
             config, shardings = self.config, self._shardings
-            kernel = jax.jit(lambda state, batch, n: replay.ingest(config, _computable(state, shardings), batch, n,
-                                                                   packed=packed),
-                             donate_argnums=(0,), out_shardings=shardings)
+            step = self._reporting(lambda state, batch, n: (
+                replay.ingest(config, _computable(state, shardings), batch, n, packed=packed),))
+            kernel = jax.jit(step, donate_argnums=(0,),
+                             out_shardings=(shardings,) + (None,) * int(self._reports_deliverable))
             self._ingest_kernels[(rows, packed)] = kernel
         return kernel
 
@@ -259,13 +284,14 @@ class ExperienceDataPlane:
             state, pending = self._state, self._take_pending_updates()
             if pending is None:
                 with self._counting_compiles("sample"):
-                    rest, delivery = self._settled(self._sample_kernel(state.storage, _replace(state, storage=None)))
+                    rest, delivery, *reported = self._settled(
+                        self._sample_kernel(state.storage, _replace(state, storage=None)))
             else:
                 with self._counting_compiles(f"update+sample[{pending[0].shape[0]}]"):
-                    rest, delivery = self._settled(self._update_sample_kernel(
+                    rest, delivery, *reported = self._settled(self._update_sample_kernel(
                         state.storage, _replace(state, storage=None), *pending))
             self._state = _replace(rest, storage=state.storage)
-            self._count_sample()
+            self._count_sample(reported)
             self.timeline.record("sample", start_time, time.perf_counter())
             self._changed.notify_all()
         return delivery
@@ -360,15 +386,18 @@ class ExperienceDataPlane:
         """``outputs`` of a kernel call, waited for on an emulated CPU mesh (see ``_one_at_a_time``)."""
         return jax.block_until_ready(outputs) if self._one_at_a_time else outputs
 
-    def _known(self, need_deliverable: bool = False) -> dict[str, Optional[int]]:
+    def _known(self, need_deliverable: bool = False) -> dict[str, Any]:
         """The host copy of the status scalars, read from the device only when unknown. A sampler whose deliverable
-        count is not plain arithmetic on inserts and samples (an eligibility index) is read each time it is needed."""
+        count is not plain arithmetic on inserts and samples (an eligibility index) has it reported by the last kernel
+        that changed it, as a device scalar read here when needed."""
         if self._counters is None or (need_deliverable and self._counters["deliverable"] is None):
             status = self._status()
             self._counters = {key: status[key] for key in ("size", "deliverable", "limiter_balance")}
+        if need_deliverable and isinstance(self._counters["deliverable"], jax.Array):
+            self._counters["deliverable"] = int(self._counters["deliverable"])  # reported by the last kernel
         return self._counters
 
-    def _count_ingest(self, n: int) -> None:
+    def _count_ingest(self, n: int, reported: list) -> None:
         counters = self._counters
         if counters is None:
             return
@@ -379,9 +408,9 @@ class ExperienceDataPlane:
         elif self.sampler.consumes:
             counters["deliverable"] += n
         else:
-            counters["deliverable"] = None
+            counters["deliverable"] = reported[0]
 
-    def _count_sample(self) -> None:
+    def _count_sample(self, reported: list) -> None:
         counters = self._counters
         if counters is None:
             return
@@ -390,7 +419,7 @@ class ExperienceDataPlane:
         if self.sampler.consumes:
             counters["deliverable"] -= self.batch_size
         elif self.sampler.deliverable is not None:
-            counters["deliverable"] = None
+            counters["deliverable"] = reported[0]
 
     def _wait_until(self, refusal, timeout: Optional[float]) -> None:
         """Wait (holding the condition) until ``refusal()`` is None; raise its error when ``timeout`` runs out."""
@@ -520,11 +549,11 @@ class ExperienceDataPlane:
                                   f"got {version}")
             state = self._state
             with self._counting_compiles("version"):
-                (rest,) = self._settled(self._version_kernel(state.storage, _replace(state, storage=None),
-                                                             np.int32(version)))
+                rest, *reported = self._settled(self._version_kernel(state.storage, _replace(state, storage=None),
+                                                                     np.int32(version)))
             self._state = _replace(rest, storage=state.storage)
-            if self._counters is not None and self.sampler.deliverable is not None and not self.sampler.consumes:
-                self._counters["deliverable"] = None  # retired items can empty an eligibility index
+            if self._counters is not None and reported:
+                self._counters["deliverable"] = reported[0]  # retired items can empty an eligibility index
             self._changed.notify_all()
 
     # -- status -------------------------------------------------------------------------------------------------

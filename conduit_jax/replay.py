@@ -266,10 +266,15 @@ def size(config: ReplayConfig, state: ReplayState):
     return jnp.sum(counts)
 
 
-def status(config: ReplayConfig, state: ReplayState) -> dict[str, jax.Array]:
+def deliverable(config: ReplayConfig, state: ReplayState):
+    """What ``sample()`` can draw from now, compared with the sampler's ``min_items``: the stored items, or what the
+    sampler's own index says (undelivered items of a queue, windows or items that still have mass)."""
     n = size(config, state)
-    deliverable = config.sampler.deliverable
-    out = {"size": n, "deliverable": n if deliverable is None else deliverable(state.sampler, n)}
+    return n if config.sampler.deliverable is None else config.sampler.deliverable(state.sampler, n)
+
+
+def status(config: ReplayConfig, state: ReplayState) -> dict[str, jax.Array]:
+    out = {"size": size(config, state), "deliverable": deliverable(config, state)}
     ignored = getattr(state.sampler, "ignored_updates", None)
     if ignored is not None:
         out["priority_updates_ignored"] = ignored

@@ -69,8 +69,8 @@ class Sampler(NamedTuple):
     sample(state, ShardView) -> (state, Selection)                 (per shard)
     update(state, ShardView, ids, priorities, valid) -> state      (per shard; None for samplers without priorities)
     weigh(state, probability, size) -> importance weights          (global; None when selections carry no weights)
-    deliverable(state, size) -> int32[]: what sample() can draw from now (compared with min_items); None when it is
-        simply the stored item count, which never decreases (the shell then caches a positive answer)
+    deliverable(state, size) -> int32[]: what sample() can draw from now, compared with min_items (global; None
+        when it is simply the stored item count, which never decreases: the shell then counts it on the host)
     consumes: delivery removes items (queues): ingest refuses to overwrite undelivered ones
     """
 
@@ -387,8 +387,9 @@ def _mass(priority, alpha: float, eps: float):
 
 
 def _has_mass(state: PriorityState, size):
-    """1 while some item or window can still be drawn (its mass is positive), else 0."""
-    return (sumtree.total(state.levels) > 0).astype(jnp.int32)
+    """1 while some item or window of any shard can still be drawn (its mass is positive), else 0. Called on the
+    global state, where the top level holds every shard's root (reading the first root alone missed the others)."""
+    return jnp.any(state.levels[0] > 0).astype(jnp.int32)
 
 
 def prioritized(batch_size: int, alpha: float = 0.6, beta=0.4, eps: float = 1e-6,

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from conduit_jax import ConfigError, ExperienceDataPlane, PriorityError, samplers
+from conduit_jax import ConfigError, ExperienceDataPlane, NotEnoughDataError, PriorityError, samplers
+from conduit_jax.plane import default_mesh
 
 SPEC = {"g": jax.ShapeDtypeStruct((), np.int32)}
 P_MIN = 1e-3  # chi-square tests reject below this p-value (fixed seeds: a pass is deterministic)
@@ -173,7 +174,6 @@ def test_zero_priority_item_stays_sampleable_and_updatable(alpha):
     leave the item a positive mass, and a later update must apply to it. With alpha = 8, (0 + 1e-6)^8 = 1e-48 is
     below the smallest float32 (even subnormal), so the leaf becomes 0: the item is never drawn again and every later
     update is ignored as if the item had been overwritten (update() treats a zero leaf as not live)."""
-    from conduit_jax.plane import default_mesh
 
     plane = make_plane(default_mesh(1), 8, samplers.prioritized(8, alpha=alpha, eps=1e-6))
     ingest_range(plane, 0, 8)
@@ -246,7 +246,6 @@ def test_priority_error_is_a_value_error():
 
 
 def test_update_needs_a_prioritized_sampler():
-    from conduit_jax.plane import default_mesh
 
     spec = {"g": SPEC["g"], "terminated": jax.ShapeDtypeStruct((), np.bool_),
             "truncated": jax.ShapeDtypeStruct((), np.bool_)}
@@ -369,3 +368,36 @@ def test_many_updates_never_yield_empty_or_zero_priority_draws(mesh):
         np.testing.assert_array_equal(ids[:, 0], row_of(g, shards, capacity))
         assert (leaves[ids[:, 0]] > 0).all()
         assert np.isfinite(np.asarray(delivery.weights)).all()
+
+
+def count_status_reads(monkeypatch, plane) -> list:
+    """Calls of the plane's status kernel from now on (each one a kernel launch plus a device read)."""
+    reads = []
+    read = plane._status
+    monkeypatch.setattr(plane, "_status", lambda: reads.append(1) or read())
+    return reads
+
+
+@pytest.mark.parametrize("shards", [1, 8])
+def test_max_times_sampled_delivers_each_item_that_often_then_refuses(monkeypatch, shards):
+    """Every item is delivered exactly max_times_sampled times (draws past its budget are masked out), then the plane
+    has nothing left to draw and says so; a new item makes it sampleable again. The shell learns that the index ran
+    dry from the sample kernels themselves: the status kernel runs once, when the plane knows nothing yet."""
+    spec = {"id": jax.ShapeDtypeStruct((), np.int32)}
+    plane = ExperienceDataPlane(spec, 16, samplers.prioritized(8, max_times_sampled=2), mesh=default_mesh(shards))
+    plane.ingest({"id": np.arange(16, dtype=np.int32)})
+    reads = count_status_reads(monkeypatch, plane)
+    delivered = np.zeros(17, int)
+    for _ in range(200):
+        if not plane.can_sample():
+            break
+        delivery = plane.sample()
+        np.add.at(delivered, np.asarray(delivery.data["id"])[np.asarray(delivery.mask)], 1)
+    assert delivered[:16].tolist() == [2] * 16
+    with pytest.raises(NotEnoughDataError):
+        plane.sample()
+    plane.ingest({"id": np.array([16], np.int32)})  # overwrites item 0 with a fresh item
+    assert plane.can_sample()
+    delivery = plane.sample()
+    assert set(np.asarray(delivery.data["id"])[np.asarray(delivery.mask)].tolist()) == {16}
+    assert len(reads) == 1
