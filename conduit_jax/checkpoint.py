@@ -397,7 +397,7 @@ def _plane_kernels(plane) -> dict:
         if kernel is None:
             def extract(rows, start, count):
                 slots = (start[0] + lax.iota(jnp.int32, rows_per_shard)) % config.shard_capacity
-                block = storage.gather(rows, slots)
+                block = storage.gather(rows, config.ring_row(slots))
                 return jnp.where((lax.iota(jnp.int32, rows_per_shard) < count[0])[:, None], block, jnp.uint32(0))
 
             extract = jax.shard_map(extract, mesh=config.mesh, in_specs=(spec_axes, spec_axes, spec_axes),
@@ -639,6 +639,7 @@ def _restore_relayout(directory, chain, plane, targets, saved_shards: int, where
 
     capacity, row_words = plane.capacity, plane.config.layout.row_words
     old_cap = capacity // saved_shards
+    old_streams = storage.streams_per_shard(plane.sampler.streams, saved_shards)
     if len(chain) == 1:
         old = {k: np.asarray(v) for k, v in _read_arrays(directory, first_step, first_meta,
                                                           saved_targets(first_meta), where, timings).items()}
@@ -653,7 +654,8 @@ def _restore_relayout(directory, chain, plane, targets, saved_shards: int, where
             d = inc_meta["delta"]["rows_per_shard"]
             at = np.full((saved_shards * d,), capacity, np.int32)  # padding rows go out of range: dropped
             for shard, (start, count) in enumerate(zip(inc_meta["delta"]["start"], inc_meta["delta"]["count"])):
-                at[shard * d:shard * d + count] = shard * old_cap + (start + np.arange(count)) % old_cap
+                slots = (start + np.arange(count)) % old_cap
+                at[shard * d:shard * d + count] = shard * old_cap + storage.ring_row(slots, old_streams, old_cap)
             rows = _scatter_rows(rows, at, delta)  # in place (donated), on the one device
             timings["reassemble"] = timings.get("reassemble", 0.0) + time.perf_counter() - phase
         rows = np.asarray(rows)
@@ -696,14 +698,17 @@ def _relayout(old: dict, plane, saved_shards: int, targets: dict, where: str) ->
         raise CheckpointError(f"{where}: per-shard write counts {counts.tolist()} are not a round-robin deal of "
                               f"{total} items: the checkpoint is inconsistent")
     items = np.arange(max(0, total - capacity), total, dtype=np.int64)
-    old_at = (items % saved_shards) * old_cap + (items // saved_shards) % old_cap
-    new_at = (items % shards) * new_cap + (items // shards) % new_cap
+    old_slot, new_slot = (items // saved_shards) % old_cap, (items // shards) % new_cap
+    old_at, new_at = (items % saved_shards) * old_cap + old_slot, (items % shards) * new_cap + new_slot
+    old_row_at = (items % saved_shards) * old_cap + storage.ring_row(
+        old_slot, storage.streams_per_shard(plane.sampler.streams, saved_shards), old_cap)
+    new_row_at = (items % shards) * new_cap + plane.config.ring_row(new_slot)
     new_counts = np.array([max(0, -(-(total - s) // shards)) for s in range(shards)], np.int64)
     out = {}
     rows = np.zeros_like(old[_ROWS])
     for start in range(0, items.shape[0], 1 << 18):  # in pieces: no second full-size temporary
         part = slice(start, start + (1 << 18))
-        rows[new_at[part]] = old[_ROWS][old_at[part]]
+        rows[new_row_at[part]] = old[_ROWS][old_row_at[part]]
     out[_ROWS] = rows
     out["storage.cursor"] = (new_counts % new_cap).astype(np.int32)
     out["storage.laps"] = (new_counts // new_cap).astype(np.int32)
@@ -758,8 +763,9 @@ def _apply_delta_kernel(config, rows_per_shard: int):
 
     def apply(rows, delta, start, count):
         iota = lax.iota(jnp.int32, rows_per_shard)
-        slots = jnp.where(iota < count[0], (start[0] + iota) % config.shard_capacity, config.shard_capacity)
-        return rows.at[slots].set(delta, mode="drop")
+        at = jnp.where(iota < count[0], config.ring_row((start[0] + iota) % config.shard_capacity),
+                       config.shard_capacity)
+        return rows.at[at].set(delta, mode="drop")
 
     apply = jax.shard_map(apply, mesh=config.mesh, in_specs=(spec_axes,) * 4, out_specs=spec_axes, check_vma=False)
     return jax.jit(apply, donate_argnums=(0,), out_shardings=NamedSharding(config.mesh, spec_axes))

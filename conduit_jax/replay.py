@@ -63,6 +63,15 @@ class ReplayConfig(NamedTuple):
     def shard_capacity(self) -> int:
         return self.capacity // self.num_shards
 
+    @property
+    def streams_per_shard(self) -> int:
+        """Streams interleaved in each shard's ring (see ``storage.ring_row``)."""
+        return storage.streams_per_shard(self.sampler.streams, self.num_shards)
+
+    def ring_row(self, slots):
+        """The rows of a shard's ring that hold ``slots``."""
+        return storage.ring_row(slots, self.streams_per_shard, self.shard_capacity)
+
 
 def init(config: ReplayConfig, seed: int) -> ReplayState:
     """Empty state (global arrays; works under ``jax.eval_shape``)."""
@@ -123,11 +132,12 @@ def ingest(config: ReplayConfig, state: ReplayState, batch, n, *, packed: bool =
         mine, count = storage.deal(batch, st.next_shard, n, _shard_index(config), config.num_shards)
         block = mine if packed else config.layout.pack(mine)
         cursor, laps = st.cursor[0], st.laps[0]
-        rows, new_cursor, new_laps = storage.write(st.rows, cursor, laps, block, count)
+        rows, new_cursor, new_laps = storage.write(st.rows, cursor, laps, block, count, config.streams_per_shard)
         k = block.shape[0]
         slots = (cursor + lax.iota(jnp.int32, k)) % config.shard_capacity
         view = InsertView(config.num_shards, config.shard_capacity, config.axes, slots, lax.iota(jnp.int32, k) < count,
-                          n, cursor, laps, functools.partial(config.layout.read_leaf, rows))
+                          n, cursor, laps,
+                          lambda name, at: config.layout.read_leaf(rows, name, config.ring_row(at)))
         return ReplayState(
             storage=storage.StorageState(rows=rows, cursor=new_cursor[None], laps=new_laps[None],
                                          next_shard=(st.next_shard + n) % config.num_shards),
@@ -155,12 +165,12 @@ def sample(config: ReplayConfig, state: ReplayState) -> tuple[ReplayState, Deliv
     specs = partition_specs(config)
     layout, num_shards, window = config.layout, config.num_shards, config.sampler.window
     time_axis = config.sampler.time_axis
-    # One shard: gather each leaf straight from its words of the ring (every byte copied once) when rows are wide
-    # (image frames: each leaf is a long sequential read) or the ring is cache-resident (PPO rollouts); narrow rows
-    # of a ring in DRAM are gathered whole (one random access per item instead of one per leaf) and unpacked.
-    # Several shards: packed rows with ids and weights appended travel in one reduce-scatter.
+    # One shard: gather each leaf straight from its words of the ring (every byte copied once) when each leaf's read
+    # is sequential (wide rows such as image frames, windows of consecutive rows) or the ring is cache-resident (PPO
+    # rollouts); narrow single rows of a ring in DRAM are gathered whole (one random access per item instead of one
+    # per leaf) and unpacked. Several shards: packed rows with ids and weights appended travel in one reduce-scatter.
     ring_bytes = config.shard_capacity * layout.row_bytes
-    direct = num_shards == 1 and (layout.row_bytes >= 1024 or ring_bytes <= CACHE_RESIDENT_BYTES)
+    direct = num_shards == 1 and (layout.row_bytes >= 1024 or time_axis or ring_bytes <= CACHE_RESIDENT_BYTES)
 
     def per_shard(state: ReplayState):
         st = state.storage
@@ -168,10 +178,11 @@ def sample(config: ReplayConfig, state: ReplayState) -> tuple[ReplayState, Deliv
         sampler_state, sel = config.sampler.sample(state.sampler, view)
         slots = sel.slots
         if time_axis:  # a window's steps are `streams / S` slots apart in the owner's ring, oldest first
-            stride = config.sampler.streams // num_shards
+            stride = config.streams_per_shard
             steps = (slots[:, None] + lax.iota(jnp.int32, window)[None, :] * stride) % config.shard_capacity
         else:
             steps = slots
+        steps = config.ring_row(steps)
         extra = [view.shard_index * config.shard_capacity + slots,
                  storage.slot_generation(view.cursor, view.laps, slots)]
         if config.sampler.weigh is not None:
@@ -250,7 +261,7 @@ def set_policy_version(config: ReplayConfig, state: ReplayState, version) -> Rep
     def per_shard(state: ReplayState):
         st = state.storage
         slots = lax.iota(jnp.int32, config.shard_capacity)
-        versions = config.layout.read_leaf(st.rows, config.staleness.key, slots)
+        versions = config.layout.read_leaf(st.rows, config.staleness.key, config.ring_row(slots))
         return config.sampler.retire(state.sampler, slots, versions < oldest)
 
     sampler_state = _shard_mapped(config, per_shard, (specs,), specs.sampler)(state)

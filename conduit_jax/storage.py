@@ -14,6 +14,12 @@ samplers rely on:
     uniform draw over ranks is a uniform draw over items with no prefix sums and no collective.
   * the generation of slot j (how many times it has been written) is ``laps + (j < cursor)``; an item id is
     ``(global row, generation)`` and is live only while that generation is current, so ids never need per-slot state.
+
+Slots and rows. A slot is an item's place in its shard's arrival order (the ids, cursors and sampler indices all count
+slots). With one stream per shard a slot is its row. A ring that interleaves several streams (environments of a
+sequences sampler, ingested time-major) stores each stream's steps in consecutive rows instead (``ring_row``): a
+window of consecutive steps is then one sequential read rather than one DRAM access per step. Only code that touches
+``rows`` maps slots to rows.
 """
 
 from __future__ import annotations
@@ -210,18 +216,33 @@ def deal(batch, next_shard, n, shard_index, num_shards: int):
     return jax.tree_util.tree_map(take, batch), count
 
 
-def write(rows, cursor, laps, block, count):
-    """Write the first ``count`` rows of ``block`` at ``cursor``, wrapping around the ring: (rows, cursor, laps).
+def streams_per_shard(streams: int, num_shards: int) -> int:
+    """Streams interleaved in each shard's ring when ``streams`` streams are dealt over ``num_shards`` shards."""
+    return max(1, streams // num_shards)
 
-    One row scatter into the donated ring: row i goes to ``(cursor + i) % capacity``, and the padding rows past
-    ``count`` get an out-of-range index, which the scatter drops, so they never touch stored items. No branch: a
-    conditional around the write (fits / wraps) made XLA:CPU copy the taken branch's result and cost 2.4x the scatter,
-    and a masked dynamic-update-slice reads the old rows back only to keep them.
+
+def ring_row(slots, streams: int, shard_capacity: int):
+    """The row of a shard's ring that holds ``slots`` (jax or NumPy integers). With ``streams`` interleaved streams
+    per shard (slot ``t * streams + e`` is step t of stream e), stream e owns rows ``[e * steps, (e + 1) * steps)``
+    and its step t is row ``e * steps + t % steps``, where ``steps = shard_capacity // streams``."""
+    if streams == 1:
+        return slots
+    return (slots % streams) * (shard_capacity // streams) + slots // streams
+
+
+def write(rows, cursor, laps, block, count, streams: int = 1):
+    """Write the first ``count`` rows of ``block`` at slots from ``cursor`` on, wrapping around the ring: (rows,
+    cursor, laps). ``streams``: see ``ring_row``.
+
+    One row scatter into the donated ring: item i goes to the row of slot ``(cursor + i) % capacity``, and the padding
+    rows past ``count`` get an out-of-range index, which the scatter drops, so they never touch stored items. No
+    branch: a conditional around the write (fits / wraps) made XLA:CPU copy the taken branch's result and cost 2.4x
+    the scatter, and a masked dynamic-update-slice reads the old rows back only to keep them.
     """
     capacity, k = rows.shape[0], block.shape[0]
     assert k <= capacity, "the shell splits batches larger than a shard's ring"
     iota = lax.iota(jnp.int32, k)
-    target = jnp.where(iota < count, (cursor + iota) % capacity, capacity)
+    target = jnp.where(iota < count, ring_row((cursor + iota) % capacity, streams, capacity), capacity)
     rows = rows.at[target].set(block, mode="drop", unique_indices=True)
     end = cursor + count
     return rows, end % capacity, laps + (end >= capacity).astype(jnp.int32)

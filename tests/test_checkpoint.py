@@ -112,14 +112,16 @@ def assert_same_delivery(d1, d2):
 
 def item_view(plane):
     """Item g -> (packed row, sampler values of g) for every stored item, derived from the documented layout (item g
-    at shard g % S, slot (g // S) % (capacity / S)), so planes with different shard counts can be compared."""
+    at shard g % S, slot (g // S) % (capacity / S), held in that slot's ring row), so planes with different shard
+    counts can be compared."""
     state = jax.device_get(plane.state)
     shards, shard_cap = plane.num_shards, plane.capacity // plane.num_shards
     counts = state.storage.laps.astype(np.int64) * shard_cap + state.storage.cursor
     total = int(counts.sum())
     items = np.arange(max(0, total - plane.capacity), total)
     at = (items % shards) * shard_cap + (items // shards) % shard_cap
-    view = {"total": total, "rows": np.asarray(state.storage.rows)[at]}
+    row_at = (items % shards) * shard_cap + plane.config.ring_row((items // shards) % shard_cap)
+    view = {"total": total, "rows": np.asarray(state.storage.rows)[row_at]}
     sampler = state.sampler
     if isinstance(sampler, samplers.PriorityState):
         leaves = np.asarray(sampler.levels[-1])

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from conduit_jax import ExperienceDataPlane, ExperienceSpec, replay, samplers, storage
+from conduit_jax.plane import default_mesh
 from conduit_jax.spec import SUPPORTED_DTYPES
 
 SHAPES = [(), (1,), (2,), (3,), (5,), (7,), (2, 3)]
@@ -288,6 +289,21 @@ def test_ring_wraparound_eight_shards():
     assert int(host(plane.state.storage.next_shard)) == 4
     check_ids(plane, table, [2, 1, 2, 1, 2, 1, 2, 1, 1, 1, 1, 1, 1, 1, 1, 1])
     assert len(plane) == 16
+
+
+def test_streams_are_stored_stream_major():
+    # 4 streams (envs) over 2 shards, capacity 16: item g = 4 t + e goes to shard e % 2, slot 2 t + e // 2; each
+    # shard's ring keeps its 2 streams in blocks of 4 rows, step t of a stream at row t % 4 of its block.
+    sampler = samplers.sequences(4, 2, streams=4, pad=True, end_keys=("flag",))
+    plane = ExperienceDataPlane(SPEC, 16, sampler, mesh=default_mesh(2))
+    plane.ingest(items(0, 12))  # steps 0, 1, 2
+    check_rows(plane, [0, 4, 8, -1, 2, 6, 10, -1, 1, 5, 9, -1, 3, 7, 11, -1])
+    plane.ingest(items(12, 8))  # step 3 fills each block, step 4 overwrites step 0
+    check_rows(plane, [16, 4, 8, 12, 18, 6, 10, 14, 17, 5, 9, 13, 19, 7, 11, 15])
+    assert host(plane.state.storage.cursor).tolist() == [2, 2] and host(plane.state.storage.laps).tolist() == [1, 1]
+    for _ in range(4):  # every window is two consecutive steps of one env: g then g + 4
+        g = host(plane.sample().data["g"])
+        np.testing.assert_array_equal(g[:, 1], g[:, 0] + 4)
 
 
 def reference(total, shards, capacity):
