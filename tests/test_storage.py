@@ -1,6 +1,8 @@
 """Storage: the packed row layout (bit-exact round trips) and the sharded round-robin rings (positions computed
 by hand)."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -107,6 +109,23 @@ def test_mixed_layout_offsets_and_round_trip():
         assert nested[k].shape == (2, 6, *s)
         assert_bits_equal(nested[k][0, 3], batch[k][3])
         assert_bits_equal(nested[k][1, 5], batch[k][4])
+
+
+def test_gathering_leaves_equals_gathering_rows_then_unpacking():
+    """gather_leaves (each leaf read from its own elements of the ring: words, or bytes and halves for sub-word
+    types) and read_leaf deliver the same bits as gathering whole rows and unpacking, NaN payloads included, for any
+    shape of row indices."""
+    spec = ExperienceSpec.from_structs({k: jax.ShapeDtypeStruct(s, d) for k, (s, d, _) in MIXED.items()})
+    layout = storage.RowLayout.of(spec)
+    rng = np.random.default_rng(3)
+    rows = jax.jit(layout.pack)({k: random_leaf(rng, 11, s, d, nan_payloads=True) for k, (s, d, _) in MIXED.items()})
+    at = jnp.asarray(rng.integers(0, 11, (4, 3)), jnp.int32)
+    direct = jax.jit(layout.gather_leaves)(rows, at)
+    whole = jax.jit(lambda r, a: layout.unpack(r[a]))(rows, at)
+    for k in MIXED:
+        assert direct[k].shape == (4, 3, *MIXED[k][0])
+        assert_bits_equal(direct[k], whole[k])
+        assert_bits_equal(jax.jit(functools.partial(layout.read_leaf, name=k))(rows, at=at), whole[k])
 
 
 def test_host_packing_matches_device_packing_bit_for_bit():
