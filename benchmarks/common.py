@@ -24,6 +24,7 @@ import importlib.metadata
 import json
 import os
 import platform
+import resource
 import subprocess
 import threading
 import time
@@ -206,6 +207,11 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * _PAGE
 
 
+def minor_page_faults() -> int:
+    """Minor page faults of this process so far (every thread): each is a fresh page mapped on first touch."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 def trim_memory() -> None:
     """Collect garbage and hand free heap pages back to the OS, so RSS deltas measure live memory.
 
@@ -338,9 +344,10 @@ class CompileLog:
 # ------------------------------------------------------------------------------------------------------------------
 @dataclass
 class Timings:
-    """Wall-clock seconds of every timed call, grouped by round."""
+    """Wall-clock seconds of every timed call, grouped by round, and the process's minor page faults per round."""
 
     rounds: list[np.ndarray] = field(default_factory=list)
+    faults: list[int] = field(default_factory=list)
 
     @property
     def calls(self) -> np.ndarray:
@@ -355,6 +362,9 @@ class Timings:
             "mean_s": float(np.mean(calls)),
             "min_s": float(np.min(calls)),
             "round_medians_s": [float(np.median(r)) for r in self.rounds],
+            # fresh pages touched per call (output buffers the allocator took from the OS): a cost that appears in
+            # the time of whoever allocates, and that varies with the allocator's state
+            "page_faults_per_call": float(sum(self.faults) / calls.size),
         }
 
 
@@ -398,6 +408,7 @@ def interleaved(ops: dict[str, Callable[[], Any]], *, rounds: int, reps: int, wa
             times = np.empty(reps)
             gc.collect()
             gc.disable()
+            faults = minor_page_faults()
             try:
                 with (log.phase(name, phase) if log is not None else _null()):
                     for i in range(reps):
@@ -407,6 +418,7 @@ def interleaved(ops: dict[str, Callable[[], Any]], *, rounds: int, reps: int, wa
             finally:
                 gc.enable()
             out[name].rounds.append(times)
+            out[name].faults.append(minor_page_faults() - faults)
     return out
 
 
@@ -476,7 +488,7 @@ def timing_table(records: list[dict], metric: str, title: str, rate_unit: str) -
     if not rows:
         return ""
     header = (f"{'contender':<34} {'median us':>10} {'p99 us':>9} {'rounds (min-max) us':>20} {rate_unit:>11} "
-              f"{'memcpy':>7} {'x/conduit':>9} {'conduit/x':>9} {'1st call s':>10} {'recomp':>6}")
+              f"{'memcpy':>7} {'x/conduit':>9} {'conduit/x':>9} {'1st call s':>10} {'recomp':>6} {'faults':>7}")
     lines = [title, header, "-" * len(header)]
     group = None
     for r in rows:
@@ -491,7 +503,8 @@ def timing_table(records: list[dict], metric: str, title: str, rate_unit: str) -
         lines.append(
             f"{r['contender']:<34} {r['median_s'] * 1e6:>10.1f} {r['p99_s'] * 1e6:>9.1f} "
             f"{min(rm) * 1e6:>9.1f}-{max(rm) * 1e6:<10.1f} {_fmt_rate(r['items_per_s']):>11} "
-            f"{r['frac_memcpy'] * 100:>6.1f}% {ratio:>9} {inverse:>9} {first:>10} {recompiles:>6}")
+            f"{r['frac_memcpy'] * 100:>6.1f}% {ratio:>9} {inverse:>9} {first:>10} {recompiles:>6} "
+            f"{r.get('page_faults_per_call', 0.0):>7.1f}")
     return "\n".join(lines)
 
 
