@@ -122,25 +122,27 @@ class ExperienceDataPlane:
         config, shardings = self.config, self._shardings
         rest = _replace(shardings, storage=None)
         self._ingest_kernels: dict[tuple[int, bool], Any] = {}  # (rows, host-packed) -> kernel
-        report = self._reporting  # + the deliverable count, for samplers that keep it in an index
-        reported = int(self._reports_deliverable)
+        # + the deliverable count, for samplers that keep it in an index; a draw changes it only where it retires
+        # items, so the sample kernels report it only then
+        reports, sample_reports = self._reports_deliverable, self._reports_deliverable and self.sampler.sampling_retires
 
         def update_sample(state, ids, priorities, valid):
             return replay.sample(config, _replace(state, sampler=replay.update(config, state, ids, priorities, valid)))
 
-        self._sample_kernel = _reading_storage(report(functools.partial(replay.sample, config)), shardings, rest,
-                                               1 + reported)
-        self._update_sample_kernel = _reading_storage(report(update_sample), shardings, rest, 1 + reported)
-        self._version_kernel = _reading_storage(report(lambda state, version: (
-            replay.set_policy_version(config, state, version),)), shardings, rest, reported)
+        self._sample_kernel = _reading_storage(self._reporting(functools.partial(replay.sample, config),
+                                                               sample_reports), shardings, rest, 1 + sample_reports)
+        self._update_sample_kernel = _reading_storage(self._reporting(update_sample, sample_reports), shardings, rest,
+                                                      1 + sample_reports)
+        self._version_kernel = _reading_storage(self._reporting(lambda state, version: (
+            replay.set_policy_version(config, state, version),), reports), shardings, rest, int(reports))
         self._update_kernel = _reading_storage(lambda state, ids, priorities, valid: (
             _replace(state, sampler=replay.update(config, state, ids, priorities, valid)),), shardings, rest, 0)
         self._status_kernel = jax.jit(lambda state: replay.status(config, _computable(state, shardings)))
 
-    def _reporting(self, step):
+    def _reporting(self, step, reports: bool):
         """``step(state, *args) -> (state', *outputs)``, with the deliverable count after it as one more output when
-        the sampler's count is an index (see ``_reports_deliverable``)."""
-        if not self._reports_deliverable:
+        ``reports``."""
+        if not reports:
             return step
         config = self.config
 
@@ -264,7 +266,8 @@ class ExperienceDataPlane:
         if kernel is None:
             config, shardings = self.config, self._shardings
             step = self._reporting(lambda state, batch, n: (
-                replay.ingest(config, _computable(state, shardings), batch, n, packed=packed),))
+                replay.ingest(config, _computable(state, shardings), batch, n, packed=packed),),
+                self._reports_deliverable)
             kernel = jax.jit(step, donate_argnums=(0,),
                              out_shardings=(shardings,) + (None,) * int(self._reports_deliverable))
             self._ingest_kernels[(rows, packed)] = kernel
@@ -418,7 +421,7 @@ class ExperienceDataPlane:
             self.limiter.on_sample(LimiterState(counters["limiter_balance"]), self.batch_size).balance)
         if self.sampler.consumes:
             counters["deliverable"] -= self.batch_size
-        elif self.sampler.deliverable is not None:
+        elif reported:
             counters["deliverable"] = reported[0]
 
     def _wait_until(self, refusal, timeout: Optional[float]) -> None:

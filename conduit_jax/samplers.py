@@ -72,6 +72,8 @@ class Sampler(NamedTuple):
     deliverable(state, size) -> int32[]: what sample() can draw from now, compared with min_items (global; None
         when it is simply the stored item count, which never decreases: the shell then counts it on the host)
     consumes: delivery removes items (queues): ingest refuses to overwrite undelivered ones
+    sampling_retires: a non-consuming sampler whose draws can lower ``deliverable`` (items retired after
+        ``max_times_sampled`` deliveries); otherwise only inserts and retirements change it
     """
 
     name: str
@@ -83,6 +85,7 @@ class Sampler(NamedTuple):
     update: Optional[Callable[..., Any]] = None
     deliverable: Optional[Callable[[Any, jax.Array], jax.Array]] = None
     consumes: bool = False
+    sampling_retires: bool = False
     weigh: Optional[Callable[[Any, jax.Array, jax.Array], jax.Array]] = None
     retire: Optional[Callable[[Any, jax.Array, jax.Array], Any]] = None  # (state, slots, stale) -> state, per shard
     params: tuple = ()  # ((argument, value), ...) of the constructor call: rebuilds the sampler from a checkpoint
@@ -377,7 +380,8 @@ def _priority_sampler(name: str, batch_size: int, alpha: float, beta, eps: float
 
     return Sampler(name=name, batch_size=batch_size, min_items=1, init=init,
                    on_insert=insert, sample=sample, update=update, weigh=weigh, retire=retire,
-                   deliverable=None if max_times_sampled is None else _has_mass)
+                   deliverable=None if max_times_sampled is None else _has_mass,
+                   sampling_retires=max_times_sampled is not None)
 
 
 def _mass(priority, alpha: float, eps: float):
