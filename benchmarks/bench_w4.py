@@ -7,8 +7,8 @@ minibatch ready (JAX results blocked on); every item is delivered once per epoch
 Contenders:
   * ``conduit[1dev]``: a plane of capacity 16,384 with ``samplers.epochs(4096)``; ``ingest`` the rollout, 16 x
     ``sample()``;
-  * ``conduit[fused-jit]``: the same plane, the 16 samples in one jitted call of ``plane.sample_fn()`` (state donated):
-    what a learner that samples inside its own jitted update pays;
+  * ``conduit[fused-jit]``: the same plane, the 16 minibatches in one jitted call of ``plane.sample_fn(batches=16)``
+    (state donated; one gather per leaf): what a learner that samples inside its own jitted update pays;
   * ``numpy``: per-leaf arrays, ``rng.permutation`` per epoch, a fancy-index gather per leaf per minibatch (CleanRL);
   * ``jax-shuffle(purejaxrl)``: ``device_put`` of the rollout, then one jitted ``lax.scan`` over epochs of
     ``jax.random.permutation`` + gather + reshape into minibatches (PureJaxRL's update);
@@ -128,8 +128,8 @@ def run(settings: common.Settings) -> list[dict]:
                      f"{EPOCHS + 1} x the rollout's {ROLLOUT * item / 1e6:.2f} MB",
         "jax-shuffle(purejaxrl)": "device_put of the rollout + one jitted lax.scan of jax.random.permutation + gather "
                                   "per epoch; all minibatches from one call (no per-minibatch row)",
-        "conduit[fused-jit]": "plane.ingest + one jit of 16 x plane.sample_fn() with the state donated (no "
-                              "per-minibatch row)",
+        "conduit[fused-jit]": "plane.ingest + one jit of plane.sample_fn(batches=16) with the state donated "
+                              "(no per-minibatch row)",
         "torchrl": status["torchrl"],
     }
     return common.run_workload(

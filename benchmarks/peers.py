@@ -863,9 +863,9 @@ class ConduitEpochs(PPOContender):
 
 
 class ConduitFusedEpochs(PPOContender):
-    """Conduit's fused path on the same plane as ``ConduitEpochs``: ``ingest`` the rollout, then one jitted call
-    running ``plane.sample_fn()`` ``epochs x minibatches`` times (``lax.scan``) with the state donated, returning
-    every minibatch stacked, as a learner that samples inside its own jitted update would."""
+    """Conduit's fused path on the same plane as ``ConduitEpochs``: ``ingest`` the rollout, then one jitted call of
+    ``plane.sample_fn(batches=epochs x minibatches)`` with the state donated, returning every minibatch stacked (one
+    gather per leaf), as a learner that samples inside its own jitted update would."""
 
     is_jax = True
     name = "conduit[fused-jit]"
@@ -876,15 +876,11 @@ class ConduitFusedEpochs(PPOContender):
         super().__init__(None, base.capacity, base.minibatch_size, base.epochs)
         self._jax = jax
         self.base = base
-        step = base.plane.sample_fn()
-        steps = base.epochs * base.per_epoch
+        step = base.plane.sample_fn(batches=base.epochs * base.per_epoch)
 
         def fused(state):
-            def body(state, _):
-                state, delivery = step(state)
-                return state, delivery.data
-
-            return jax.lax.scan(body, state, None, length=steps)  # unrolled: 12 s of compile, no faster
+            state, delivery = step(state)
+            return state, delivery.data
 
         self._fused = jax.jit(fused, donate_argnums=0)
 

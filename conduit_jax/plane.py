@@ -330,11 +330,16 @@ class ExperienceDataPlane:
     def _smooth(self, stage: str, seconds: float, weight: float = 0.1) -> None:
         self._smoothed[stage] += weight * (seconds - self._smoothed[stage])
 
-    def sample_fn(self):
+    def sample_fn(self, batches: Optional[int] = None):
         """The pure sampling step ``state -> (state, Delivery)`` for use inside the learner's own jitted step (the
         fused path: no dispatch of its own). Call it on ``plane.state``, donate the state to your jit, and store the
-        returned state back with ``plane.state = ...``; the host-side checks of ``sample()`` do not run there."""
-        return functools.partial(replay.sample, self.config)
+        returned state back with ``plane.state = ...``; the host-side checks of ``sample()`` do not run there.
+
+        ``batches=k``: the step draws k batches at once, the draws of k successive steps with a leading [k] axis on
+        every field, and gathers them in one pass (a PPO epoch of minibatches in one gather per leaf). Not for
+        samplers with importance weights."""
+        replay.check_batches(self.config, batches, "sample_fn()")
+        return functools.partial(replay.sample, self.config, batches=batches)
 
     def _apply_due_updates(self, everything: bool = False) -> None:
         """Deferred policy: apply, in one kernel call, every queued update reported at a step <= current - k (all of

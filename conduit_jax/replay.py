@@ -18,6 +18,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from conduit_jax import storage
+from conduit_jax.errors import ConfigError
 from conduit_jax._pytree import state_dataclass
 from conduit_jax.limits import Limiter, LimiterState, Staleness
 from conduit_jax.samplers import InsertView, Sampler, ShardView
@@ -156,15 +157,33 @@ def ingest(config: ReplayConfig, state: ReplayState, batch, n, *, packed: bool =
 CACHE_RESIDENT_BYTES = 16 << 20  # a ring this small stays in the last-level cache while it is sampled
 
 
-def sample(config: ReplayConfig, state: ReplayState) -> tuple[ReplayState, Delivery]:
+def check_batches(config: ReplayConfig, batches, where: str = "sample()") -> None:
+    """ConfigError unless ``batches`` is None or a count of batches ``sample`` can draw at once for this sampler."""
+    if batches is None:
+        return
+    if not isinstance(batches, int) or isinstance(batches, bool) or batches < 1:
+        raise ConfigError(f"{where}: batches must be an int >= 1 or None, got {batches!r}")
+    if config.sampler.weigh is not None:
+        raise ConfigError(f"{where}: the {config.sampler.name} sampler delivers importance weights, which depend on "
+                          f"each draw's step; draw its batches one at a time (batches=None)")
+
+
+def sample(config: ReplayConfig, state: ReplayState, batches: Optional[int] = None) -> tuple[ReplayState, Delivery]:
     """Draw one batch; returns the new state and the delivery. The new state's storage is ``state.storage`` itself:
     jit callers must not return it (an unchanged buffer returned from a jitted step is copied whole), so the shell's
     kernel returns ``new_state.replace(storage=None)`` and reattaches the storage.
 
-    The batch comes back sharded over the shard axes: shard s holds rows ``[s*B/S, (s+1)*B/S)``."""
+    The batch comes back sharded over the shard axes: shard s holds rows ``[s*B/S, (s+1)*B/S)``.
+
+    ``batches=k`` draws k batches at once, exactly the draws of k successive calls, with a leading [k] axis on every
+    field of the delivery. The selections run one after the other, then every batch is gathered in one pass (a PPO
+    epoch of minibatches: one gather per leaf instead of k). Samplers with importance weights are not supported
+    there: their weights depend on each draw's step."""
     specs = partition_specs(config)
     layout, num_shards, window = config.layout, config.num_shards, config.sampler.window
     time_axis = config.sampler.time_axis
+    check_batches(config, batches)
+    lead = () if batches is None else (batches,)
     # One shard: gather each leaf straight from its words of the ring (every byte copied once) when each leaf's read
     # is sequential (wide rows such as image frames, windows of consecutive rows) or the ring is cache-resident (PPO
     # rollouts); narrow single rows of a ring in DRAM are gathered whole (one random access per item instead of one
@@ -175,11 +194,15 @@ def sample(config: ReplayConfig, state: ReplayState) -> tuple[ReplayState, Deliv
     def per_shard(state: ReplayState):
         st = state.storage
         view = _shard_view(config, st)
-        sampler_state, sel = config.sampler.sample(state.sampler, view)
-        slots = sel.slots
+        if batches is None:
+            sampler_state, sel = config.sampler.sample(state.sampler, view)
+        else:  # the selections of k successive draws, stacked
+            sampler_state, sel = lax.scan(lambda s, _: config.sampler.sample(s, view), state.sampler, None,
+                                          length=batches)
+        slots = sel.slots  # lead + [B / S or B]
         if time_axis:  # a window's steps are `streams / S` slots apart in the owner's ring, oldest first
             stride = config.streams_per_shard
-            steps = (slots[:, None] + lax.iota(jnp.int32, window)[None, :] * stride) % config.shard_capacity
+            steps = (slots[..., None] + lax.iota(jnp.int32, window) * stride) % config.shard_capacity
         else:
             steps = slots
         steps = config.ring_row(steps)
@@ -189,45 +212,47 @@ def sample(config: ReplayConfig, state: ReplayState) -> tuple[ReplayState, Deliv
             extra.append(lax.bitcast_convert_type(sel.probability.astype(jnp.float32), jnp.int32))
         if sel.keep is not None:
             extra.append(sel.keep.astype(jnp.int32))
-        extra = lax.bitcast_convert_type(jnp.stack(extra, axis=1), jnp.uint32)
+        extra = lax.bitcast_convert_type(jnp.stack(extra, axis=-1), jnp.uint32)
         if direct:
             return sampler_state, layout.gather_leaves(st.rows, steps), extra
-        rows = storage.gather(st.rows, steps).reshape(slots.shape[0], window * layout.row_words)
+        rows = storage.gather(st.rows, steps).reshape(*slots.shape, window * layout.row_words)
         if sel.owner is not None and num_shards > 1:
             # every shard drew the same global batch; owners keep their rows, a reduce-scatter deals the blocks
-            packed = jnp.concatenate([rows, extra], axis=1)
-            packed = jnp.where((sel.owner == view.shard_index)[:, None], packed, jnp.uint32(0))
-            packed = lax.psum_scatter(packed, config.axes, scatter_dimension=0, tiled=True)
-            rows, extra = packed[:, :rows.shape[1]], packed[:, rows.shape[1]:]
-        data = layout.unpack(rows.reshape(-1, window, layout.row_words) if time_axis else rows)
+            packed = jnp.concatenate([rows, extra], axis=-1)
+            packed = jnp.where((sel.owner == view.shard_index)[..., None], packed, jnp.uint32(0))
+            packed = lax.psum_scatter(packed, config.axes, scatter_dimension=len(lead), tiled=True)
+            rows, extra = packed[..., :rows.shape[-1]], packed[..., rows.shape[-1]:]
+        data = layout.unpack(rows.reshape(*rows.shape[:-1], window, layout.row_words) if time_axis else rows)
         return sampler_state, data, extra
 
-    batch_specs = jax.tree_util.tree_map(lambda _: P(config.axes), layout.spec.structs)
+    batch_spec = P(*([None] * len(lead)), config.axes)
+    batch_specs = jax.tree_util.tree_map(lambda _: batch_spec, layout.spec.structs)
     sampler_state, data, extra = _shard_mapped(config, per_shard, (specs,),
-                                               (specs.sampler, batch_specs, P(config.axes)))(state)
-    ids = lax.bitcast_convert_type(extra[:, :2], jnp.int32)
+                                               (specs.sampler, batch_specs, batch_spec))(state)
+    ids = lax.bitcast_convert_type(extra[..., :2], jnp.int32)
     weights = mask = None
     column = 2
     if config.sampler.weigh is not None:
         probability = lax.bitcast_convert_type(extra[:, column], jnp.float32)
         weights = config.sampler.weigh(sampler_state, probability, size(config, state))
         column += 1
-    if config.sampler.mask is not None:
-        mask = config.sampler.mask(data)
-    if extra.shape[1] > column:  # the sampler marked draws that are not deliveries
-        keep = extra[:, column] != 0
-        mask = keep if mask is None else mask & keep[:, None]
+    if config.sampler.mask is not None:  # per window: the leading axes flattened into one batch axis
+        flat = jax.tree_util.tree_map(lambda x: x.reshape(-1, *x.shape[len(lead) + 1:]), data)
+        mask = config.sampler.mask(flat).reshape(*lead, -1, window)
+    if extra.shape[-1] > column:  # the sampler marked draws that are not deliveries
+        keep = extra[..., column] != 0
+        mask = keep if mask is None else mask & keep[..., None]
     stale_draws = state.stale_draws
     if config.staleness is not None:
         version = data
         for part in config.staleness.key.split("/"):
             version = version[part]
         fresh = version >= state.policy_version - config.staleness.max_versions
-        first_fresh = fresh if fresh.ndim == 1 else fresh[:, 0]
+        first_fresh = fresh[..., 0] if time_axis else fresh
         stale_draws = stale_draws + jnp.sum(~first_fresh).astype(jnp.int32)
         mask = fresh if mask is None else mask & fresh
     new_state = ReplayState(state.storage, sampler_state,
-                            config.limiter.on_sample(state.limiter, config.sampler.batch_size),
+                            config.limiter.on_sample(state.limiter, config.sampler.batch_size * (batches or 1)),
                             state.policy_version, stale_draws)
     return new_state, Delivery(data, ids, weights, mask)
 

@@ -244,3 +244,46 @@ def test_delivery_is_sharded_over_the_mesh_axes(any_mesh, make):
         assert leaf.shape[0] == 16
         _sharded_over(leaf, any_mesh, axes)
     assert delivery.weights is None
+
+
+# -- several batches in one step ----------------------------------------------------------------------------------
+SEQ_SPEC = {"g": jax.ShapeDtypeStruct((), np.int32), "terminated": jax.ShapeDtypeStruct((), np.bool_),
+            "truncated": jax.ShapeDtypeStruct((), np.bool_)}
+
+
+@pytest.mark.parametrize("kind", ["uniform", "epochs", "fifo", "sequences"])
+def test_batches_at_once_are_the_draws_of_successive_steps(mesh, kind):
+    """sample_fn(batches=k) returns exactly what k successive sample_fn() steps return (data, ids, mask), stacked on
+    a leading axis, and the same state after."""
+    make = {"uniform": lambda: samplers.uniform(8), "epochs": lambda: samplers.epochs(8),
+            "fifo": lambda: samplers.fifo(8), "sequences": lambda: samplers.sequences(8, 3, 8, pad=True)}[kind]
+    spec = SEQ_SPEC if kind == "sequences" else SPEC
+    plane = ExperienceDataPlane(spec, 64, make(), mesh=mesh, seed=3)
+    g = np.arange(48, dtype=np.int32)
+    plane.ingest({"g": g, "terminated": g % 7 == 6, "truncated": g % 11 == 10} if kind == "sequences" else items(0, 48))
+    state, k = plane.state, 4
+    one, many = jax.jit(plane.sample_fn()), jax.jit(plane.sample_fn(batches=k))
+    steps = []
+    for _ in range(k):
+        state, delivery = one(state)
+        steps.append(jax.device_get(delivery))
+    final, together = many(plane.state)
+    together = jax.device_get(together)
+    for field in ("data", "ids", "mask"):
+        for got, *want in zip(jax.tree_util.tree_leaves(getattr(together, field)),
+                              *[jax.tree_util.tree_leaves(getattr(d, field)) for d in steps]):
+            np.testing.assert_array_equal(got, np.stack(want), err_msg=field)
+    assert (kind == "sequences") == (together.mask is not None)
+    for a, b in zip(jax.tree_util.tree_leaves(jax.device_get((final.sampler, final.limiter))),
+                    jax.tree_util.tree_leaves(jax.device_get((state.sampler, state.limiter)))):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.0, True])
+def test_batches_must_be_a_positive_count_and_not_for_weighted_samplers(bad):
+    plane = ExperienceDataPlane(SPEC, 64, samplers.uniform(8), mesh=jax.make_mesh((1,), ("shard",)))
+    with pytest.raises(ConfigError, match="batches must be an int >= 1"):
+        plane.sample_fn(batches=bad)
+    weighted = ExperienceDataPlane(SPEC, 64, samplers.prioritized(8), mesh=jax.make_mesh((1,), ("shard",)))
+    with pytest.raises(ConfigError, match="importance weights"):
+        weighted.sample_fn(batches=2)

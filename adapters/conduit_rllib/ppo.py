@@ -196,15 +196,13 @@ class EpochStaging:
 
 
 def _epoch_kernel(plane: ExperienceDataPlane, per_epoch: int):
-    """One jitted call delivering an epoch's ``per_epoch`` minibatches: the plane's pure sampling step scanned over
-    the epoch (the state is donated and stored back by the caller)."""
-    step = plane.sample_fn()
+    """One jitted call delivering an epoch's ``per_epoch`` minibatches: the plane's pure sampling step drawing them
+    all at once, one gather per column (the state is donated and stored back by the caller)."""
+    step = plane.sample_fn(batches=per_epoch)
 
     def epoch(state):
-        def one(state, _):
-            state, delivery = step(state)
-            return state, delivery.data
-        return jax.lax.scan(one, state, None, length=per_epoch)
+        state, delivery = step(state)
+        return state, delivery.data
 
     return jax.jit(epoch, donate_argnums=0)
 
