@@ -16,6 +16,7 @@ import time
 from typing import Any, Optional
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
@@ -220,10 +221,10 @@ class ExperienceDataPlane:
                     # compile once per batch size)
                     block, packed = self.config.layout.pack_host(leaves, start, m, rows, self._staging(rows)), True
                 with self._counting_compiles(f"ingest[{rows}{',packed' if packed else ''}]"):
-                    self._state, *reported = self._settled(
+                    self._state, finished, *reported = self._settled(
                         self._ingest_kernel(rows, packed)(self._state, block, np.int32(m)))
                 if packed:
-                    self._last_staging = (block, self._state.storage.cursor)
+                    self._last_staging = (block, finished)
             self._count_ingest(n, reported)
             self.timeline.record("ingest", start_time, time.perf_counter())
             self._changed.notify_all()
@@ -233,9 +234,8 @@ class ExperienceDataPlane:
         has finished (JAX reads it in place), else a fresh one. Fresh pages fault on first write, which made packing
         a 4.5 MB PPO rollout take 2x as long."""
         if self._last_staging is not None:
-            block, written = self._last_staging
-            # a donated marker (the state went into a jit since) cannot tell whether that ingest has finished
-            if block.shape[0] == rows and not written.is_deleted() and written.is_ready():
+            block, finished = self._last_staging
+            if block.shape[0] == rows and finished.is_ready():
                 return block
         return storage.aligned_empty((rows, self.config.layout.row_words))
 
@@ -265,11 +265,14 @@ class ExperienceDataPlane:
         kernel = self._ingest_kernels.get((rows, packed))
         if kernel is None:
             config, shardings = self.config, self._shardings
-            step = self._reporting(lambda state, batch, n: (
-                replay.ingest(config, _computable(state, shardings), batch, n, packed=packed),),
-                self._reports_deliverable)
-            kernel = jax.jit(step, donate_argnums=(0,),
-                             out_shardings=(shardings,) + (None,) * int(self._reports_deliverable))
+            def ingest_step(state, batch, n):
+                new_state = replay.ingest(config, _computable(state, shardings), batch, n, packed=packed)
+                # a scalar of its own that is ready once this ingest has finished, even after the state has been
+                # donated to another jit: the staging array this ingest read is packed again only then
+                return new_state, jnp.sum(new_state.storage.cursor)
+
+            kernel = jax.jit(self._reporting(ingest_step, self._reports_deliverable), donate_argnums=(0,),
+                             out_shardings=(shardings, None) + (None,) * int(self._reports_deliverable))
             self._ingest_kernels[(rows, packed)] = kernel
         return kernel
 

@@ -332,15 +332,18 @@ def test_back_to_back_ingests_through_the_reused_staging_array(mesh):
 
 
 def test_ingest_after_the_state_went_through_a_users_jit(mesh):
-    """A state donated to the learner's own jit (the fused path) and stored back: the next ingest cannot ask the
-    old state whether its staging array is free, so it packs into a fresh one."""
+    """A state donated to the learner's own jit (the fused path) and stored back: the ingest's own finished marker
+    still says when its staging array is free, so the next batches are packed into it again and arrive intact."""
     plane = ExperienceDataPlane(SPEC, 64, samplers.fifo(16), mesh=mesh)
     plane.ingest(batch(0, 8))
     step = jax.jit(plane.sample_fn(), donate_argnums=0)
     plane.ingest(batch(8, 8))
+    reused = plane._last_staging[0]
     state, first = step(plane.state)
     plane.state = state
+    jax.block_until_ready(first)
     plane.ingest(batch(16, 8))
+    assert plane._last_staging[0] is reused
     plane.ingest(batch(24, 8))
     assert sorted(_expect_items(first, batch(0, 16)).tolist()) == list(range(16))
     assert sorted(_expect_items(plane.sample(), batch(0, 32)).tolist()) == list(range(16, 32))
