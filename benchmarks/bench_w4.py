@@ -92,6 +92,8 @@ def entries() -> list[common.Entry]:
 
 GOALS = [
     common.Goal("W4 PPO iteration <= 1.0x NumPy", "ratio", "ppo_iteration", 1.0, peer="numpy"),
+    common.Goal("W4 PPO iteration, minibatches drawn in the learner's jit (sample_fn(batches=16)) <= 1.0x NumPy",
+                "ratio", "ppo_iteration", 1.0, peer="numpy", contender="conduit[fused-jit]"),
     common.Goal("W4 zero recompiles after warm-up", "recompiles", "ppo_iteration", 0),
 ]
 
