@@ -600,11 +600,12 @@ def evaluate_goals(records: list[dict], goals: list[Goal], workload: str) -> lis
         if goal.kind == "ratio":
             peer = [r for r in records if r.get("record") == "timing" and r.get("metric") == goal.metric
                     and r["contender"] == goal.peer and r.get("conduit_over_x") is not None]
-            if peer:
-                value = peer[0]["conduit_over_x"]
-                base = headline_baseline(records, goal.metric, peer[0].get("group"))
-                detail = (f"conduit {base['median_s'] * 1e6:.1f} us vs {goal.peer} {peer[0]['median_s'] * 1e6:.1f} us"
-                          if base else "")
+            group = peer[0].get("group") if peer else None
+            base = next((r for r in _conduit_rows(records, goal) if r.get("group") == group), None)
+            if peer and base is not None:
+                value = base["median_s"] / peer[0]["median_s"]
+                detail = (f"{base['contender']} {base['median_s'] * 1e6:.1f} us vs {goal.peer} "
+                          f"{peer[0]['median_s'] * 1e6:.1f} us")
         elif goal.kind == "memcpy":
             rows = _conduit_rows(records, goal)
             if rows:
