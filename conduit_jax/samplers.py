@@ -455,23 +455,22 @@ def sequences(batch_size: int, length: int, streams: int, *, burn_in: int = 0, p
         stride = streams // view.num_shards
         k = view.slots.shape[0]
         # each new row completes the window that starts window-1 steps earlier in its stream
-        back = lax.iota(jnp.int32, window)[::-1] * stride  # window-1, ..., 1, 0 steps back
-        members = (view.slots[:, None] - back[None, :]) % view.shard_capacity  # [k, window] slots, oldest first
+        back_steps = (window - 1) * stride
         position = view.cursor + lax.iota(jnp.int32, k)  # rows written before this one in the current lap
-        exists = (view.laps > 0) | (position >= (window - 1) * stride)
+        exists = (view.laps > 0) | (position >= back_steps)
         # rows of this same batch written after row i must not have reached the window's first slot again (a batch
         # as large as the ring laps over its own older steps)
         later = jnp.sum(view.valid.astype(jnp.int32)) - 1 - lax.iota(jnp.int32, k)
-        intact = later < view.shard_capacity - (window - 1) * stride
+        intact = later < view.shard_capacity - back_steps
         eligible = view.valid & exists & intact
-        if not pad:
-            ends = functools.reduce(jnp.logical_or, [view.read(key, members[:, :-1]) for key in end_keys]) \
-                if window > 1 else jnp.zeros((k, 0), jnp.bool_)
+        if not pad and window > 1:
+            back = lax.iota(jnp.int32, window - 1)[::-1] * stride + stride  # window-1, ..., 1 steps back
+            earlier = (view.slots[:, None] - back[None, :]) % view.shard_capacity  # [k, window-1], oldest first
+            ends = functools.reduce(jnp.logical_or, [view.read(key, earlier) for key in end_keys])
             eligible &= ~jnp.any(ends, axis=1)
         if period > 1:
             modulus = stride * period
-            start_position = (view.laps % modulus) * (view.shard_capacity % modulus) + position \
-                - (window - 1) * stride
+            start_position = (view.laps % modulus) * (view.shard_capacity % modulus) + position - back_steps
             eligible &= ((start_position % modulus) // stride) % period == 0
         value = _mass(state.max_priority, exponent, eps) if weighted else jnp.float32(1.0)
         # One run of slots from the first completed window's start to the last new row: the window starts (each new
@@ -480,11 +479,13 @@ def sequences(batch_size: int, length: int, streams: int, *, burn_in: int = 0, p
         # not eligible keeps mass 0: it was zeroed when its own row was written and no window completed there since.
         # (Two runs, one after the other, made XLA copy every level of the tree on each ingest.)
         # run entry j: the window start of new row j (j < k), the slot of new row j - back_steps (j >= back_steps)
-        back_steps = (window - 1) * stride
+        # (the first window start is computed as a scalar: slicing it out of a [k, window] array of window slots
+        # made XLA materialise the whole array, ~20 us of integer remainders per ingest)
         no_step = jnp.zeros((back_steps,), jnp.bool_)
         values = jnp.concatenate([jnp.where(eligible, value, 0.0), jnp.zeros((back_steps,), jnp.float32)])
         valid = jnp.concatenate([view.valid, no_step]) | jnp.concatenate([no_step, view.valid])
-        levels = sumtree.set_run(state.levels, members[0, 0], values, valid, view.shard_capacity)
+        first = (view.slots[0] - back_steps) % view.shard_capacity
+        levels = sumtree.set_run(state.levels, first, values, valid, view.shard_capacity)
         return replace(state, levels=levels)
 
     def mask(data):
