@@ -18,8 +18,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from conduit_jax import storage
-from conduit_jax.errors import ConfigError
 from conduit_jax._pytree import state_dataclass
+from conduit_jax.errors import ConfigError
 from conduit_jax.limits import Limiter, LimiterState, Staleness
 from conduit_jax.samplers import InsertView, Sampler, ShardView
 
@@ -233,7 +233,7 @@ def sample(config: ReplayConfig, state: ReplayState, batches: Optional[int] = No
     weights = mask = None
     column = 2
     if config.sampler.weigh is not None:
-        probability = lax.bitcast_convert_type(extra[:, column], jnp.float32)
+        probability = lax.bitcast_convert_type(extra[..., column], jnp.float32)
         weights = config.sampler.weigh(sampler_state, probability, size(config, state))
         column += 1
     if config.sampler.mask is not None:  # per window: the leading axes flattened into one batch axis
