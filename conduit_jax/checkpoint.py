@@ -723,8 +723,8 @@ def _relayout(old: dict, plane, saved_shards: int, targets: dict, where: str) ->
         leaves = np.zeros((shards * new_leaf_count,), np.float32)
         leaves[(items % shards) * new_leaf_count + (items // shards) % new_cap] = \
             old[old_levels[-1]][(items % saved_shards) * old_leaf_count + (items // saved_shards) % old_cap]
-        for name, level in zip(new_levels, _rebuild_levels(leaves, len(new_levels))):
-            out[name] = level
+        for name, level in zip(new_levels, sumtree.from_leaves(leaves, len(new_levels))):
+            out[name] = np.asarray(level)
         if "sampler.times_sampled" in targets:
             times = np.zeros((capacity,), np.int32)
             times[new_at] = old["sampler.times_sampled"][old_at]
@@ -749,12 +749,7 @@ def _relayout(old: dict, plane, saved_shards: int, targets: dict, where: str) ->
     return out
 
 
-def _rebuild_levels(leaves: np.ndarray, num_levels: int) -> list[np.ndarray]:
-    """Sum-tree levels (root first) over the given leaf level: each node the float32 sum of its children."""
-    levels = [jnp.asarray(leaves)]
-    for _ in range(num_levels - 1):
-        levels.append(jnp.sum(levels[-1].reshape(-1, sumtree.ARITY), axis=-1))
-    return [np.asarray(level) for level in reversed(levels)]
+
 
 
 @functools.lru_cache(maxsize=32)

@@ -287,7 +287,7 @@ def set_policy_version(config: ReplayConfig, state: ReplayState, version) -> Rep
         st = state.storage
         slots = lax.iota(jnp.int32, config.shard_capacity)
         versions = config.layout.read_leaf(st.rows, config.staleness.key, config.ring_row(slots))
-        return config.sampler.retire(state.sampler, slots, versions < oldest)
+        return config.sampler.retire(state.sampler, versions < oldest)
 
     sampler_state = _shard_mapped(config, per_shard, (specs,), specs.sampler)(state)
     return dataclasses.replace(state, sampler=sampler_state)

@@ -104,6 +104,16 @@ def set_leaves(levels, slots, values, valid, arity: int = ARITY):
     return tuple(levels)
 
 
+def from_leaves(leaves, num_levels: int, arity: int = ARITY) -> tuple[jax.Array, ...]:
+    """Levels (root first) over a leaf level: every node the float32 sum of its children in ``child_sums``' order.
+    One pass per level, O(leaves): for changes to most leaves at once (retiring stale items, re-laying out a
+    checkpoint), where refreshing each changed leaf's ancestors would read K children per leaf per level."""
+    levels = [jnp.asarray(leaves, jnp.float32)]
+    for _ in range(num_levels - 1):
+        levels.append(child_sums(levels[-1].reshape(-1, arity)))
+    return tuple(reversed(levels))
+
+
 def leaf_values(levels, slots):
     return levels[-1].at[slots].get(mode="promise_in_bounds")
 
