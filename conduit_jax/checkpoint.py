@@ -6,8 +6,8 @@ version, the spec (leaf names, shapes, dtype names such as ``bfloat16``, and the
 so it can be rebuilt), capacity, shard count and per-shard write counts, sampler and limiter (name + constructor
 parameters), staleness, ``cast``, the delivery schedule, and for every stored array its shape, dtype and CRC-32.
 Nothing is pickled: loading a checkpoint cannot run code. Restore refuses (``CheckpointError``, a ``ValueError``) a
-missing, unfinished, partial or corrupted checkpoint (an array that does not read back or whose CRC differs), another
-format version, and anything that does not match what the caller passes explicitly (``spec``, ``capacity``,
+missing, unfinished, partial or corrupted checkpoint (an array that does not read back or whose CRC differs), a
+format version it cannot read, and anything that does not match what the caller passes explicitly (``spec``, ``capacity``,
 ``sampler``, ``limiter``); the message says what differs.
 
 Saving is asynchronous. The plane donates its state buffers on every ingest, so a background writer must never hold
@@ -82,7 +82,10 @@ from conduit_jax.errors import ConduitError, ConduitWarning, ConfigError
 from conduit_jax.spec import ExperienceSpec, leaf_name
 
 FORMAT = "conduit-jax-plane"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+# Version 1 stored the ring of a sampler with several streams per shard time-major (a slot was its row); version 2
+# stores it stream-major (storage.ring_row). Nothing else differs, so version 1 steps are read and converted.
+READABLE_VERSIONS = (1, 2)
 _ARRAYS, _META = "arrays", "meta"
 _ROWS = "storage.rows"
 _DELTA = "delta.rows"
@@ -580,20 +583,23 @@ def restore(directory, *, step: Optional[int] = None, mesh: Optional[Mesh] = Non
     plane.state = None  # free the empty state before reading the saved one
     timings["build"] = time.perf_counter() - phase
     phase = time.perf_counter()
+    # the streams interleaved per shard in the saved rings' row order (version 1: slot order, i.e. one stream)
+    saved_streams = storage.streams_per_shard(plane.sampler.streams, saved_shards) \
+        if chain[0][1]["format_version"] >= 2 else 1
     if saved_shards == plane.num_shards:
-        state = _restore_same_layout(directory, chain, plane, targets, where, timings)
+        state = _restore_same_layout(directory, chain, plane, targets, saved_streams, where, timings)
         _lineages.setdefault(plane, {})[directory] = _Lineage(step, _field(meta, "lineage", str, where),
                                                               tuple(int(c) for c in meta["counts"]))
     else:
-        state = _restore_relayout(directory, chain, plane, targets, saved_shards, where, timings)
+        state = _restore_relayout(directory, chain, plane, targets, saved_shards, saved_streams, where, timings)
     plane.state = jax.block_until_ready(state)
     timings["total"] = time.perf_counter() - start
     return plane
 
 
-def _restore_same_layout(directory, chain, plane, targets, where, timings):
+def _restore_same_layout(directory, chain, plane, targets, saved_streams: int, where, timings):
     """Same shard count: orbax reads each array straight into the new plane's sharding; increments are applied on
-    the device, shard by shard."""
+    the device, shard by shard. Rings saved in slot order (version 1) are put in ring-row order first."""
     first_step, first_meta = chain[0]
     last_step, last_meta = chain[-1]
     for step, meta in chain:
@@ -604,6 +610,8 @@ def _restore_same_layout(directory, chain, plane, targets, where, timings):
     base = _read_arrays(directory, first_step, first_meta, targets if len(chain) == 1 else
                         {_ROWS: targets[_ROWS]}, where, timings)
     rows = base[_ROWS]
+    if saved_streams != plane.config.streams_per_shard:
+        rows = base[_ROWS] = _slot_order_to_ring_rows_kernel(plane.config)(rows)
     spec_axes = P(plane.config.axes)
     for inc_step, inc_meta in chain[1:]:
         delta_meta = inc_meta["delta"]
@@ -622,7 +630,7 @@ def _restore_same_layout(directory, chain, plane, targets, where, timings):
     return _unflatten_like(_abstract_state(plane), arrays, where)
 
 
-def _restore_relayout(directory, chain, plane, targets, saved_shards: int, where, timings):
+def _restore_relayout(directory, chain, plane, targets, saved_shards: int, saved_streams: int, where, timings):
     """Another shard count: read the saved arrays on one device, reassemble and re-lay them out on the host, then
     place them with the new plane's shardings."""
     device = plane.mesh.devices.flat[0]
@@ -639,7 +647,6 @@ def _restore_relayout(directory, chain, plane, targets, saved_shards: int, where
 
     capacity, row_words = plane.capacity, plane.config.layout.row_words
     old_cap = capacity // saved_shards
-    old_streams = storage.streams_per_shard(plane.sampler.streams, saved_shards)
     if len(chain) == 1:
         old = {k: np.asarray(v) for k, v in _read_arrays(directory, first_step, first_meta,
                                                           saved_targets(first_meta), where, timings).items()}
@@ -655,7 +662,7 @@ def _restore_relayout(directory, chain, plane, targets, saved_shards: int, where
             at = np.full((saved_shards * d,), capacity, np.int32)  # padding rows go out of range: dropped
             for shard, (start, count) in enumerate(zip(inc_meta["delta"]["start"], inc_meta["delta"]["count"])):
                 slots = (start + np.arange(count)) % old_cap
-                at[shard * d:shard * d + count] = shard * old_cap + storage.ring_row(slots, old_streams, old_cap)
+                at[shard * d:shard * d + count] = shard * old_cap + storage.ring_row(slots, saved_streams, old_cap)
             rows = _scatter_rows(rows, at, delta)  # in place (donated), on the one device
             timings["reassemble"] = timings.get("reassemble", 0.0) + time.perf_counter() - phase
         rows = np.asarray(rows)
@@ -667,7 +674,7 @@ def _restore_relayout(directory, chain, plane, targets, saved_shards: int, where
         raise CheckpointError(f"{where}: storage rows have shape {old[_ROWS].shape}, expected {(capacity, row_words)}")
     phase = time.perf_counter()
     try:
-        new = _relayout(old, plane, saved_shards, targets, where)
+        new = _relayout(old, plane, saved_shards, saved_streams, targets, where)
     except (KeyError, IndexError, ValueError) as exc:
         if isinstance(exc, CheckpointError):
             raise
@@ -686,8 +693,9 @@ def _scatter_rows(rows, at, block):
     return rows.at[at].set(block, mode="drop")
 
 
-def _relayout(old: dict, plane, saved_shards: int, targets: dict, where: str) -> dict:
-    """The saved arrays of an ``saved_shards``-shard plane, laid out for ``plane``'s shard count (host NumPy)."""
+def _relayout(old: dict, plane, saved_shards: int, saved_streams: int, targets: dict, where: str) -> dict:
+    """The saved arrays of an ``saved_shards``-shard plane (``saved_streams`` streams per ring, see
+    ``storage.ring_row``), laid out for ``plane``'s shard count (host NumPy)."""
     capacity, shards = plane.capacity, plane.num_shards
     old_cap, new_cap = capacity // saved_shards, capacity // shards
     cursor, laps = old["storage.cursor"].astype(np.int64), old["storage.laps"].astype(np.int64)
@@ -700,8 +708,7 @@ def _relayout(old: dict, plane, saved_shards: int, targets: dict, where: str) ->
     items = np.arange(max(0, total - capacity), total, dtype=np.int64)
     old_slot, new_slot = (items // saved_shards) % old_cap, (items // shards) % new_cap
     old_at, new_at = (items % saved_shards) * old_cap + old_slot, (items % shards) * new_cap + new_slot
-    old_row_at = (items % saved_shards) * old_cap + storage.ring_row(
-        old_slot, storage.streams_per_shard(plane.sampler.streams, saved_shards), old_cap)
+    old_row_at = (items % saved_shards) * old_cap + storage.ring_row(old_slot, saved_streams, old_cap)
     new_row_at = (items % shards) * new_cap + plane.config.ring_row(new_slot)
     new_counts = np.array([max(0, -(-(total - s) // shards)) for s in range(shards)], np.int64)
     out = {}
@@ -750,6 +757,18 @@ def _relayout(old: dict, plane, saved_shards: int, targets: dict, where: str) ->
 
 
 
+
+
+@functools.lru_cache(maxsize=8)
+def _slot_order_to_ring_rows_kernel(config):
+    """Rings whose rows are in slot order, moved to ring-row order (each shard: slot j to row ``ring_row(j)``)."""
+    spec_axes = P(config.axes)
+
+    def move(rows):
+        return rows.at[config.ring_row(lax.iota(jnp.int32, config.shard_capacity))].set(rows, unique_indices=True)
+
+    move = jax.shard_map(move, mesh=config.mesh, in_specs=spec_axes, out_specs=spec_axes, check_vma=False)
+    return jax.jit(move, donate_argnums=(0,), out_shardings=NamedSharding(config.mesh, spec_axes))
 
 
 @functools.lru_cache(maxsize=32)
@@ -831,9 +850,9 @@ def _read_meta(directory: str, step: int, where: str) -> dict:
                               f"the checkpoint is partial or corrupted") from meta
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise CheckpointError(f"{where}: step {step} is not a Conduit-JAX plane checkpoint")
-    if meta.get("format_version") != FORMAT_VERSION:
+    if meta.get("format_version") not in READABLE_VERSIONS:
         raise CheckpointError(f"{where}: step {step} has format version {meta.get('format_version')!r}; this version "
-                              f"of conduit_jax reads version {FORMAT_VERSION}")
+                              f"of conduit_jax reads versions {', '.join(map(str, READABLE_VERSIONS))}")
     if meta.get("kind") not in ("full", "incremental"):
         raise CheckpointError(f"{where}: step {step} has unknown kind {meta.get('kind')!r}")
     if not isinstance(meta.get("arrays"), dict) or not isinstance(meta.get("counts"), list):

@@ -27,6 +27,7 @@ from conduit_jax import (
     checkpoint,
     default_mesh,
     limits,
+    replay,
     samplers,
     sumtree,
 )
@@ -213,6 +214,27 @@ def test_restore_onto_other_shard_counts_equals_a_plane_built_there(kind, tmp_pa
         for restored in (four, one):
             delivered = np.asarray(jax.device_get(restored.sample().data["g"])).reshape(-1)
             assert ((delivered >= total - CAPACITY) & (delivered < total)).all()
+
+
+def test_version_1_rings_in_slot_order_are_read_and_converted(tmp_path, monkeypatch):
+    """A format-version-1 checkpoint of a sequences plane (its rings kept in slot order, time-major) restores, on the
+    same and on other shard counts, to the plane this version builds from the same calls (rings stream-major)."""
+    original = make("sequences", default_mesh(2))  # 4 of the 8 envs interleaved in each shard's ring
+    with monkeypatch.context() as old:  # the version-1 layout: every ring in slot order
+        old.setattr(replay.ReplayConfig, "streams_per_shard", property(lambda config: 1))
+        old.setattr(checkpoint, "FORMAT_VERSION", 1)
+        calls = feed(original, "sequences")
+        checkpoint.save(original, tmp_path / "v1", block=True)
+    for shards in (2, 4, 1):  # the same shard count (converted on the device), and re-laid out on the host
+        restored = checkpoint.restore(tmp_path / "v1", mesh=default_mesh(shards))
+        expected = make("sequences", default_mesh(shards))
+        for call in calls:
+            if call[0] == "ingest":
+                expected.ingest(batch(call[1], 40))
+        assert_same_items(expected, restored)
+        assert np.array_equal(jax.device_get(expected.state.storage.rows), jax.device_get(restored.state.storage.rows))
+        g = np.asarray(jax.device_get(restored.sample().data["g"]))
+        np.testing.assert_array_equal(g[:, 1:], g[:, :-1] + 8)  # a window: consecutive steps of one of 8 envs
 
 
 def test_memory_kinds_of_a_plan_and_a_replan_survive_the_checkpoint(tmp_path):
