@@ -66,3 +66,17 @@ def state_snapshot():
         return check
 
     return snapshot
+
+
+@pytest.fixture
+def status_reads(monkeypatch):
+    """``reads = status_reads(plane)``: from then on ``len(reads)`` counts the plane's status-kernel launches (each
+    one a kernel plus a device read, which the shell avoids by keeping the counters it needs in step)."""
+
+    def count(plane):
+        reads = []
+        read = plane._status
+        monkeypatch.setattr(plane, "_status", lambda: reads.append(1) or read())
+        return reads
+
+    return count

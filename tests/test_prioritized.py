@@ -370,23 +370,15 @@ def test_many_updates_never_yield_empty_or_zero_priority_draws(mesh):
         assert np.isfinite(np.asarray(delivery.weights)).all()
 
 
-def count_status_reads(monkeypatch, plane) -> list:
-    """Calls of the plane's status kernel from now on (each one a kernel launch plus a device read)."""
-    reads = []
-    read = plane._status
-    monkeypatch.setattr(plane, "_status", lambda: reads.append(1) or read())
-    return reads
-
-
 @pytest.mark.parametrize("shards", [1, 8])
-def test_max_times_sampled_delivers_each_item_that_often_then_refuses(monkeypatch, shards):
+def test_max_times_sampled_delivers_each_item_that_often_then_refuses(status_reads, shards):
     """Every item is delivered exactly max_times_sampled times (draws past its budget are masked out), then the plane
     has nothing left to draw and says so; a new item makes it sampleable again. The shell learns that the index ran
     dry from the sample kernels themselves: the status kernel runs once, when the plane knows nothing yet."""
     spec = {"id": jax.ShapeDtypeStruct((), np.int32)}
     plane = ExperienceDataPlane(spec, 16, samplers.prioritized(8, max_times_sampled=2), mesh=default_mesh(shards))
     plane.ingest({"id": np.arange(16, dtype=np.int32)})
-    reads = count_status_reads(monkeypatch, plane)
+    reads = status_reads(plane)
     delivered = np.zeros(17, int)
     for _ in range(200):
         if not plane.can_sample():

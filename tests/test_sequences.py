@@ -374,16 +374,14 @@ def test_n_step_on_sampled_windows_equals_reference(mesh):
     assert min(kinds.values()) > 20, kinds  # every kind of window was checked
 
 
-def test_eligible_windows_are_reported_by_the_kernels(monkeypatch):
+def test_eligible_windows_are_reported_by_the_kernels(status_reads):
     """The eligible-window count is an index read, not arithmetic on calls: each ingest and sample kernel reports it,
     so a steady ingest/sample loop never launches the status kernel (it did on every sample: ~100 us each), and the
     plane still refuses while no window is complete."""
     plane = make_plane(default_mesh(1), STREAMS * 8, samplers.sequences(8, 3, STREAMS))
     traj = trajectories(seed=0, steps=40, p_terminated=0.0, p_truncated=0.0)
     ingest_steps(plane, traj, 0, 1)
-    reads = []
-    read = plane._status
-    monkeypatch.setattr(plane, "_status", lambda: reads.append(1) or read())
+    reads = status_reads(plane)
     assert not plane.can_sample()  # the one status read: the plane knew nothing yet
     ingest_steps(plane, traj, 1, 2)
     assert not plane.can_sample()  # 2 steps, no window of 3
