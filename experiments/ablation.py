@@ -48,7 +48,6 @@ if _FLAG not in os.environ.get("XLA_FLAGS", "") and "JAX_NUM_CPU_DEVICES" not in
 import argparse
 import contextlib
 import dataclasses
-import json
 import sys
 import time
 from pathlib import Path
@@ -197,14 +196,13 @@ def run(quick: bool, seed: int, rounds: int, only: list[str] | None, extra: bool
                     print(msg, flush=True)
     if bar is not None:
         bar.close()
+    from experiments import scheduling
+
     rows = []
     for per_round in runs.values():
-        row = dict(per_round[0])
-        for key in TIMED:
-            values = [x[key] for x in per_round if x[key] is not None]
-            row[key] = float(np.median(values)) if values else None
-        row["rounds"] = [{k: x[k] for k in (*TIMED, "train_return", "eval_return", "wall_s")} | {"seed": seed + i}
-                         for i, x in enumerate(per_round)]
+        row = scheduling.median_over_rounds(per_round, TIMED)
+        for i, kept in enumerate(row["rounds"]):
+            kept["seed"] = seed + i
         row["breakdown"] = learner_breakdown(row)
         rows.append(row)
     from benchmarks.common import environment

@@ -97,18 +97,22 @@ def run(quick: bool, seed: int = 0, rounds: int = 1, trace_path: Optional[Path] 
                 print(f"  round {round_index}  {name:<18} {policy:<9} exposed {_us(row['exposed_us']):>7} us  "
                       f"iteration {row['iteration_us']:>7.0f} us  return {row['train_return']:>6.1f}  "
                       f"({row['wall_s']:.1f} s)", flush=True)
-    rows = []
-    for per_round in runs.values():
-        row = dict(per_round[0])
-        for key in TIMED:
-            values = [r[key] for r in per_round if r[key] is not None]
-            row[key] = float(np.median(values)) if values else None
-        row["rounds"] = [{key: r[key] for key in TIMED + ("train_return", "eval_return", "wall_s")} for r in per_round]
-        rows.append(row)
+    rows = [median_over_rounds(per_round, TIMED) for per_round in runs.values()]
     report = {"claim": "exposed experience-path latency >= 97% lower than sync when the learner step >= the "
                        "experience path", "quick": quick, "seed": seed, "rounds": rounds,
               "environment": _environment(), "rows": rows}
     return summarize(report)
+
+
+def median_over_rounds(per_round: list[dict], timed: tuple[str, ...]) -> dict:
+    """One row for the repeated runs of a configuration: the first run's fields, each ``timed`` field replaced by its
+    median over the runs that measured it (None if none did), and each run's timed fields and returns in ``rounds``."""
+    row = dict(per_round[0])
+    for key in timed:
+        values = [r[key] for r in per_round if r[key] is not None]
+        row[key] = float(np.median(values)) if values else None
+    row["rounds"] = [{key: r[key] for key in (*timed, "train_return", "eval_return", "wall_s")} for r in per_round]
+    return row
 
 
 def summarize(report: dict) -> dict:
