@@ -379,3 +379,107 @@ def test_wide_rows_are_delivered_bit_exactly(sampler):
         data = jax.device_get(plane.sample().data)
         t, env = np.asarray(data["t"]), np.asarray(data["env"])
         np.testing.assert_array_equal(np.asarray(data["frame"]), frames[t, env])
+
+
+# -- recycled batches --------------------------------------------------------------------------------------------------
+def _twin_planes(mesh, sampler):
+    """Two planes with the same seed and contents: their draws agree call for call."""
+    planes = [ExperienceDataPlane(SPEC, 64, sampler, mesh=mesh, seed=3) for _ in range(2)]
+    for plane in planes:
+        plane.ingest(batch(0, 40))
+    return planes
+
+
+def _assert_same_delivery(a, b):
+    for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
+        np.testing.assert_array_equal(host(x), host(y))
+
+
+@pytest.mark.parametrize("sampler", ["uniform", "prioritized"])
+def test_recycled_batch_buffers_hold_the_same_draws(mesh, sampler, recwarn):
+    """sample(recycle=d) delivers what sample() would, into d's buffers (on one device: the very same memory), with
+    d's arrays deleted, no donation warning and no compile after the first recycling call."""
+    make = {"uniform": lambda: samplers.uniform(8), "prioritized": lambda: samplers.prioritized(8, 0.6, 0.4)}[sampler]
+    plain, recycling = _twin_planes(mesh, make())
+    previous = recycling.sample()
+    _assert_same_delivery(plain.sample(), previous)
+    for step in range(4):
+        if sampler == "prioritized":  # the update rides in the next sample's kernel: the recycling variant of it
+            priorities = np.linspace(0.5, 2.0, 8, dtype=np.float32) * (step + 1)
+            plain.update_priorities(previous.ids, priorities)
+            recycling.update_priorities(previous.ids, priorities)
+        pointer = previous.data["g"].unsafe_buffer_pointer() if mesh.size == 1 else None
+        delivery = recycling.sample(recycle=previous)
+        assert previous.data["g"].is_deleted() and previous.ids.is_deleted()
+        if pointer is not None:
+            assert delivery.data["g"].unsafe_buffer_pointer() == pointer
+        _assert_same_delivery(plain.sample(), delivery)
+        previous = delivery
+    counts = recycling.compile_counts()
+    assert counts.get("sample[recycle]", 0) + sum(v for k, v in counts.items() if k.endswith(",recycle]")) >= 1
+    assert all(count == 1 for count in counts.values()), counts
+    assert not [w for w in recwarn if "donated" in str(w.message)], [str(w.message) for w in recwarn]
+
+
+def _unreturned_delivery(plane):
+    """A Delivery of the right shapes that this plane did not return (it has returned none)."""
+    from conduit_jax.replay import Delivery
+
+    return Delivery(as_jax(batch(0, plane.batch_size)), jnp.zeros((plane.batch_size, 2), jnp.int32), None)
+
+
+def test_bad_recycle_rejected_state_unchanged(mesh, state_snapshot):
+    plane = ExperienceDataPlane(SPEC, 32, samplers.uniform(8), mesh=mesh)
+    plane.ingest(batch(0, 12))
+    check = state_snapshot(plane)
+    with pytest.raises(SpecError, match=r"sample\(\): recycle takes a Delivery this plane returned, and it has "
+                                         r"delivered none yet"):
+        plane.sample(recycle=_unreturned_delivery(plane))
+    check()
+    kept = plane.sample()
+    other = ExperienceDataPlane(SPEC, 32, samplers.uniform(16), mesh=mesh)
+    elsewhere = ExperienceDataPlane(SPEC, 32, samplers.uniform(8), mesh=default_mesh(1 if mesh.size > 1 else 8))
+    for plane_ in (other, elsewhere):
+        plane_.ingest(batch(0, 16))
+    check = state_snapshot(plane)
+    cases = [
+        ("a dict", {"data": kept.data}, ["recycle must be a Delivery", "dict"]),
+        ("another batch size", other.sample(), ["recycle.data['action']", "int32[8]", "got int32[16]"]),
+        ("another mesh", elsewhere.sample(), ["recycle.data['action']", "placed as this plane's batches"]),
+        ("a numpy leaf", kept._replace(ids=np.zeros((8, 2), np.int32)), ["recycle.ids", "jax.Array", "ndarray"]),
+        ("another structure", kept._replace(weights=jnp.ones(8)), ["structure"]),
+    ]
+    for label, bad, words in cases:
+        with pytest.raises(SpecError) as info:
+            plane.sample(recycle=bad)
+        message = str(info.value)
+        assert message.startswith("sample(): ") and all(w in message for w in words), (label, message)
+        check()
+        assert not kept.data["g"].is_deleted(), label
+    plane.sample(recycle=kept)
+    check = state_snapshot(plane)
+    with pytest.raises(SpecError, match=r"recycle.data\['action'\] was deleted \(already recycled"):
+        plane.sample(recycle=kept)
+    check()
+
+
+def test_deliver_recycles_into_the_next_dispatch_and_refuses_a_queued_batch(state_snapshot):
+    from conduit_jax import schedule as schedule_lib
+
+    planes = [ExperienceDataPlane(SPEC, 64, samplers.uniform(8), schedule=schedule_lib.overlap(2),
+                                  mesh=default_mesh(1), seed=5) for _ in range(2)]
+    for plane in planes:
+        plane.ingest(batch(0, 40))
+    plain, recycling = planes
+    previous = recycling.deliver()
+    _assert_same_delivery(plain.deliver(), previous)
+    for _ in range(3):
+        delivery = recycling.deliver(recycle=previous)
+        assert previous.ids.is_deleted()  # the batch dispatched behind this one went into its buffers
+        _assert_same_delivery(plain.deliver(), delivery)
+        previous = delivery
+    queued = recycling._in_flight[0]
+    check = state_snapshot(recycling)
+    with pytest.raises(SpecError, match=r"deliver\(\): recycle is a batch still queued for deliver\(\)"):
+        recycling.deliver(recycle=queued)
+    check()
