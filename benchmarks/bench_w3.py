@@ -72,7 +72,7 @@ def _sample_op(batch_size):
 def groups(settings: common.Settings) -> list[common.Group]:
     spec, cap, chunk = W3_SPEC, settings.capacity, settings.chunk
     add = common.Metric(f"add_chunk{chunk}", f"add, chunks of {chunk} frames", "items/s", chunk, _add_op,
-                        applies=lambda c: not isinstance(c, peers.NumpyToJax), reps=settings.add_reps,
+                        applies=lambda c: not isinstance(c, (peers.NumpyToJax, peers.ConduitRecycling)), reps=settings.add_reps,
                         first_from_fill=True)
     peer_entries = [
         [common.Entry("numpy", lambda: peers.NumpyRing(spec, cap, 256)),
@@ -85,26 +85,34 @@ def groups(settings: common.Settings) -> list[common.Group]:
     for b in BATCHES:
         label = "conduit[1dev]"
         conduit = common.Entry(label, lambda b=b: peers.Conduit(spec, cap, b, devices=1, chunk=chunk))
+        recycling = common.Entry(RECYCLING, lambda built: peers.ConduitRecycling(built[label]), derived=True)
         sample = common.Metric(f"sample_b{b}", f"uniform sample, batch {b} (ready)", "samples/s", b,
                                _sample_op(b), reps=settings.sample_reps, extra={"batch_size": b})
         metrics = [add, sample] if b == BATCHES[0] else [sample]
         if settings.quick:  # small buffers: every peer in one group per batch size, peers carried to the next
             everyone = [e for entries in peer_entries for e in entries]
             keep = tuple(e.label for e in everyone if b != BATCHES[-1])
-            out.append(common.Group(f"b{b}", [conduit, *everyone], metrics, keep=keep))
+            out.append(common.Group(f"b{b}", [conduit, recycling, *everyone], metrics, keep=keep))
             continue
         for i, entries in enumerate(peer_entries):
             peer = entries[0].label
             last = i == len(peer_entries) - 1
-            out.append(common.Group(f"b{b} vs {peer}", [conduit, *entries], metrics,
+            out.append(common.Group(f"b{b} vs {peer}", [conduit, recycling, *entries], metrics,
                                     keep=() if last else (label,)))
     return out
 
 
+RECYCLING = "conduit[recycle]"
 GOALS = [
     common.Goal("W3 sample b256 >= 80% of memcpy", "memcpy", "sample_b256", 0.80),
+    common.Goal("W3 sample b256 >= 80% of memcpy, batch buffers recycled", "memcpy", "sample_b256", 0.80,
+                contender=RECYCLING),
     common.Goal("W3 sample b32 <= 1.0x NumPy", "ratio", "sample_b32", 1.0, peer="numpy"),
+    common.Goal("W3 sample b32 <= 1.0x NumPy, batch buffers recycled", "ratio", "sample_b32", 1.0, peer="numpy",
+                contender=RECYCLING),
     common.Goal("W3 sample b256 <= 1.0x NumPy", "ratio", "sample_b256", 1.0, peer="numpy"),
+    common.Goal("W3 sample b256 <= 1.0x NumPy, batch buffers recycled", "ratio", "sample_b256", 1.0, peer="numpy",
+                contender=RECYCLING),
     common.Goal("W3 add (chunks of 100) <= 1.0x NumPy time", "ratio", f"add_chunk{CHUNK}", 1.0, peer="numpy"),
     common.Goal("W3 memory <= 1.05x raw", "memory", None, 1.05),
     common.Goal("W3 zero recompiles after warm-up (sample b256)", "recompiles", "sample_b256", 0),

@@ -659,7 +659,8 @@ class Conduit(Contender):
         return _tree_nbytes(self.plane.state)
 
     def jit_cache_entries(self) -> Optional[int]:
-        kernels = [self.plane._sample_kernel, *self.plane._ingest_kernels.values()]
+        kernels = [self.plane._sample_kernel, *self.plane._ingest_kernels.values(),
+                   *self.plane._recycling_kernels.values()]
         for attr in ("_update_kernel", "_update_kernels", "_priority_kernel"):
             extra = getattr(self.plane, attr, None)
             if isinstance(extra, dict):
@@ -683,6 +684,35 @@ class Conduit(Contender):
             _delete_jax_arrays(plane.state)
             plane.__dict__.clear()
         self.__dict__.clear()
+
+
+class ConduitRecycling(Contender):
+    """The plane of a built ``Conduit`` contender, sampled with ``sample(recycle=previous)``: each batch is written
+    into the buffers of the batch before it, which the timed loop is done with (a learner handing back the batch it
+    trained on). No buffer of its own; the first call also draws the batch that the second recycles."""
+
+    is_jax = True
+
+    def __init__(self, base: Conduit):
+        self._jax, self.base, self._previous = base._jax, base, None
+
+    def add(self, batch) -> None:
+        self.base.add(batch)
+
+    def sample(self, batch_size: int) -> Sampled:
+        assert batch_size == self.base.batch_size
+        plane = self.base.plane
+        if self._previous is None:
+            self._previous = plane.sample()
+        delivery = self._previous = plane.sample(recycle=self._previous)
+        self._jax.block_until_ready(delivery)
+        return Sampled(delivery.data, delivery.ids, delivery.weights)
+
+    def jit_cache_entries(self) -> Optional[int]:
+        return self.base.jit_cache_entries()
+
+    def release(self) -> None:
+        self.__dict__.clear()  # the plane is the wrapped contender's, released with it
 
 
 # ------------------------------------------------------------------------------------------------------------------

@@ -331,22 +331,14 @@ class ExperienceDataPlane:
             raise SpecError(f"{where}: recycle is a batch still queued for deliver(); only a delivered batch the "
                             f"learner is done with can be recycled")
         treedef, expected = self._delivery_layout
-        paths_leaves, got_treedef = jax.tree_util.tree_flatten_with_path(recycle)
+        leaves, got_treedef = jax.tree_util.tree_flatten(recycle)
         if got_treedef != treedef:
             raise SpecError(f"{where}: recycle must have the structure of this plane's batches, {treedef}; got "
                             f"{got_treedef}")
-        for (path, leaf), (shape, dtype, sharding) in zip(paths_leaves, expected):
-            name = "recycle" + jax.tree_util.keystr(path)
-            if not isinstance(leaf, jax.Array):
-                raise SpecError(f"{where}: {name} must be a jax.Array, got {type(leaf).__name__}")
-            if leaf.is_deleted():
-                raise SpecError(f"{where}: {name} was deleted (already recycled or donated to a jit)")
-            if leaf.shape != shape or leaf.dtype != dtype:
-                raise SpecError(f"{where}: {name} must be {dtype}{list(shape)} as in this plane's batches; got "
-                                f"{leaf.dtype}{list(leaf.shape)}")
-            if leaf.sharding != sharding:
-                raise SpecError(f"{where}: {name} must be placed as this plane's batches, {sharding}; got "
-                                f"{leaf.sharding}")
+        for index, (leaf, (shape, dtype, sharding)) in enumerate(zip(leaves, expected)):
+            if not (isinstance(leaf, jax.Array) and not leaf.is_deleted() and leaf.shape == shape
+                    and leaf.dtype == dtype and leaf.sharding == sharding):
+                raise _recycle_error(where, recycle, index, shape, dtype, sharding)
         return recycle
 
     # -- delivery under a schedule ----------------------------------------------------------------------------------
@@ -705,6 +697,20 @@ def _reading_storage(step, shardings, rest_shardings, num_outputs: int, recycles
 
     return jax.jit(kernel, donate_argnums=(1, 2) if recycles else (1,), keep_unused=recycles,
                    out_shardings=(rest_shardings,) + (None,) * num_outputs)
+
+
+def _recycle_error(where: str, recycle: Delivery, index: int, shape, dtype, sharding) -> SpecError:
+    """What is wrong with leaf ``index`` of a recycled Delivery (named by its path)."""
+    path, leaf = jax.tree_util.tree_flatten_with_path(recycle)[0][index]
+    name = "recycle" + jax.tree_util.keystr(path)
+    if not isinstance(leaf, jax.Array):
+        return SpecError(f"{where}: {name} must be a jax.Array, got {type(leaf).__name__}")
+    if leaf.is_deleted():
+        return SpecError(f"{where}: {name} was deleted (already recycled or donated to a jit)")
+    if leaf.shape != shape or leaf.dtype != dtype:
+        return SpecError(f"{where}: {name} must be {dtype}{list(shape)} as in this plane's batches; got "
+                         f"{leaf.dtype}{list(leaf.shape)}")
+    return SpecError(f"{where}: {name} must be placed as this plane's batches, {sharding}; got {leaf.sharding}")
 
 
 def _layout_of(delivery: Delivery):
