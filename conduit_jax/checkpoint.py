@@ -27,8 +27,8 @@ incremental step depends on.
 
 Incremental saves (``save(..., incremental=True)``). When this plane object's previous save went to the same
 directory (or it was restored from it), the step stores only the ring rows written since that step: for each shard s
-the ``count[s]`` rows from slot ``start[s]`` on (cyclically), as one ``uint32[shards * D, row_words]`` array (D: the
-largest count rounded up to 4-7 times a power of two; rows past ``count[s]`` are zero), plus every other state leaf
+the ``count[s]`` rows from slot ``start[s]`` on (cyclically), as one array of the ring's rows (``[shards * D, ...]``,
+D: the largest count rounded up to 4-7 times a power of two; rows past ``count[s]`` are zero), plus every other state leaf
 in full (cursors, laps, counters, limiter and sampler state, including a priority sampler's sum trees and
 ``times_sampled``). Restore replays the chain: the full base step, then each increment's rows in order, then the last
 step's other leaves. Otherwise (first save of this plane object here, or some shard wrapped all the way round since)
@@ -82,10 +82,12 @@ from conduit_jax.errors import ConduitError, ConduitWarning, ConfigError
 from conduit_jax.spec import ExperienceSpec, leaf_name
 
 FORMAT = "conduit-jax-plane"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 # Version 1 stored the ring of a sampler with several streams per shard time-major (a slot was its row); version 2
-# stores it stream-major (storage.ring_row). Nothing else differs, so version 1 steps are read and converted.
-READABLE_VERSIONS = (1, 2)
+# stores it stream-major (storage.ring_row). Versions 1 and 2 stored every ring as uint32 words; version 3 stores the
+# ring of a layout made mostly of 1-byte leaves as uint8 (storage.RowLayout.ring_dtype): the same bytes. Nothing
+# else differs, so older steps are read and converted.
+READABLE_VERSIONS = (1, 2, 3)
 _ARRAYS, _META = "arrays", "meta"
 _ROWS = "storage.rows"
 _DELTA = "delta.rows"
@@ -401,7 +403,8 @@ def _plane_kernels(plane) -> dict:
             def extract(rows, start, count):
                 slots = (start[0] + lax.iota(jnp.int32, rows_per_shard)) % config.shard_capacity
                 block = storage.gather(rows, config.ring_row(slots))
-                return jnp.where((lax.iota(jnp.int32, rows_per_shard) < count[0])[:, None], block, jnp.uint32(0))
+                return jnp.where((lax.iota(jnp.int32, rows_per_shard) < count[0])[:, None], block,
+                                 jnp.zeros((), block.dtype))
 
             extract = jax.shard_map(extract, mesh=config.mesh, in_specs=(spec_axes, spec_axes, spec_axes),
                                     out_specs=spec_axes, check_vma=False)
@@ -607,18 +610,21 @@ def _restore_same_layout(directory, chain, plane, targets, saved_streams: int, w
         if held != set(targets):
             raise CheckpointError(f"{where}: step {step} holds state leaves {sorted(held)}, the plane has "
                                   f"{sorted(targets)}: the checkpoint does not match its own metadata")
-    base = _read_arrays(directory, first_step, first_meta, targets if len(chain) == 1 else
-                        {_ROWS: targets[_ROWS]}, where, timings)
-    rows = base[_ROWS]
+    layout = plane.config.layout
+    base_targets = dict(targets if len(chain) == 1 else {_ROWS: targets[_ROWS]})
+    base_targets[_ROWS] = _saved_rows_target(first_meta, _ROWS, targets[_ROWS])
+    base = _read_arrays(directory, first_step, first_meta, base_targets, where, timings)
+    rows = base[_ROWS] = _in_ring_units(base[_ROWS], layout)
     if saved_streams != plane.config.streams_per_shard:
         rows = base[_ROWS] = _slot_order_to_ring_rows_kernel(plane.config)(rows)
     spec_axes = P(plane.config.axes)
     for inc_step, inc_meta in chain[1:]:
         delta_meta = inc_meta["delta"]
         d = delta_meta["rows_per_shard"]
-        delta_target = {_DELTA: jax.ShapeDtypeStruct((plane.num_shards * d, plane.config.layout.row_words),
-                                                     jnp.uint32, sharding=NamedSharding(plane.mesh, spec_axes))}
-        delta = _read_arrays(directory, inc_step, inc_meta, delta_target, where, timings)[_DELTA]
+        delta_target = {_DELTA: _saved_rows_target(inc_meta, _DELTA, jax.ShapeDtypeStruct(
+            (plane.num_shards * d, layout.ring_width), layout.ring_dtype, sharding=NamedSharding(plane.mesh, spec_axes)))}
+        delta = _in_ring_units(_read_arrays(directory, inc_step, inc_meta, delta_target, where, timings)[_DELTA],
+                               layout)
         rows = _apply_delta_kernel(plane.config, d)(rows, delta, np.asarray(delta_meta["start"], np.int32),
                                                     np.asarray(delta_meta["count"], np.int32))
     if len(chain) > 1:
@@ -645,18 +651,21 @@ def _restore_relayout(directory, chain, plane, targets, saved_shards: int, saved
                 out[name] = jax.ShapeDtypeStruct(tuple(info["shape"]), jnp.dtype(info["dtype"]), sharding=single)
         return out
 
-    capacity, row_words = plane.capacity, plane.config.layout.row_words
+    layout = plane.config.layout
+    capacity, ring_width = plane.capacity, layout.ring_width
     old_cap = capacity // saved_shards
     if len(chain) == 1:
         old = {k: np.asarray(v) for k, v in _read_arrays(directory, first_step, first_meta,
                                                           saved_targets(first_meta), where, timings).items()}
-        rows = old[_ROWS]
+        rows = old[_ROWS] = _in_ring_units(old[_ROWS], layout)
     else:
-        rows = _read_arrays(directory, first_step, first_meta, saved_targets(first_meta, {_ROWS}), where,
-                            timings)[_ROWS]
+        rows = _in_ring_units(np.asarray(_read_arrays(directory, first_step, first_meta,
+                                                      saved_targets(first_meta, {_ROWS}), where, timings)[_ROWS]),
+                              layout)
         for inc_step, inc_meta in chain[1:]:
-            delta = _read_arrays(directory, inc_step, inc_meta, saved_targets(inc_meta, {_DELTA}), where,
-                                 timings)[_DELTA]
+            delta = _in_ring_units(np.asarray(_read_arrays(directory, inc_step, inc_meta,
+                                                           saved_targets(inc_meta, {_DELTA}), where, timings)[_DELTA]),
+                                   layout)
             phase = time.perf_counter()
             d = inc_meta["delta"]["rows_per_shard"]
             at = np.full((saved_shards * d,), capacity, np.int32)  # padding rows go out of range: dropped
@@ -670,8 +679,8 @@ def _restore_relayout(directory, chain, plane, targets, saved_shards: int, saved
             directory, last_step, last_meta,
             saved_targets(last_meta, set(last_meta["arrays"]) - {_DELTA}), where, timings).items()}
         old[_ROWS] = rows
-    if old[_ROWS].shape != (capacity, row_words):
-        raise CheckpointError(f"{where}: storage rows have shape {old[_ROWS].shape}, expected {(capacity, row_words)}")
+    if old[_ROWS].shape != (capacity, ring_width):
+        raise CheckpointError(f"{where}: storage rows have shape {old[_ROWS].shape}, expected {(capacity, ring_width)}")
     phase = time.perf_counter()
     try:
         new = _relayout(old, plane, saved_shards, saved_streams, targets, where)
@@ -686,6 +695,22 @@ def _restore_relayout(directory, chain, plane, targets, saved_shards: int, saved
                                                  plane._shardings))
     timings["place"] = time.perf_counter() - phase
     return state
+
+
+def _saved_rows_target(meta: dict, name: str, target):
+    """How rows array ``name`` of a step was saved: a byte ring (uint8[n, row_bytes]) was saved as uint32[n, row_words]
+    before format version 3. ``target`` otherwise (``_read_arrays`` checks the recorded dtype and shape)."""
+    info = meta["arrays"].get(name)
+    if isinstance(info, dict) and info.get("dtype") == "uint32" and np.dtype(target.dtype) == np.uint8:
+        return jax.ShapeDtypeStruct((target.shape[0], target.shape[1] // 4), jnp.uint32, sharding=target.sharding)
+    return target
+
+
+def _in_ring_units(rows, layout):
+    """Saved rows in the ring's element type (NumPy: a view; on the device: one conversion, for older steps only)."""
+    if rows.dtype == layout.ring_dtype or isinstance(rows, np.ndarray):
+        return layout.to_ring(rows)
+    return jax.jit(layout.to_ring, out_shardings=rows.sharding)(rows)
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))

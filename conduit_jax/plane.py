@@ -226,8 +226,8 @@ class ExperienceDataPlane:
                     # compile once per batch size)
                     block, packed = self.config.layout.pack_host(leaves, start, m, rows, self._staging(rows)), True
                 with self._counting_compiles(f"ingest[{rows}{',packed' if packed else ''}]"):
-                    self._state, finished, *reported = self._settled(
-                        self._ingest_kernel(rows, packed)(self._state, block, np.int32(m)))
+                    self._state, finished, *reported = self._settled(self._ingest_kernel(rows, packed)(
+                        self._state, self.config.layout.to_ring(block) if packed else block, np.int32(m)))
                 if packed:
                     self._last_staging = (block, finished)
             self._count_ingest(n, reported)

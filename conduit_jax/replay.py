@@ -121,7 +121,8 @@ def _shard_view(config: ReplayConfig, st: storage.StorageState) -> ShardView:
 # ------------------------------------------------------------------------------------------------------------------
 def ingest(config: ReplayConfig, state: ReplayState, batch, n, *, packed: bool = False) -> ReplayState:
     """Write the first ``n`` items of ``batch`` (padded to ``shards * k`` rows, replicated) into the rings. ``batch``
-    is a pytree in the spec's structure, or with ``packed`` rows already packed (uint32[shards * k, row_words]).
+    is a pytree in the spec's structure, or with ``packed`` rows already packed (uint32[shards * k, row_words], or
+    those bytes as uint8[shards * k, row_bytes] for a byte ring: ``RowLayout.to_ring``).
 
     Each shard takes its round-robin share of the batch, packs it and writes it at its own cursor: no item is
     written twice and no shard waits for another.
@@ -131,7 +132,7 @@ def ingest(config: ReplayConfig, state: ReplayState, batch, n, *, packed: bool =
     def per_shard(state: ReplayState, batch, n):
         st = state.storage
         mine, count = storage.deal(batch, st.next_shard, n, _shard_index(config), config.num_shards)
-        block = mine if packed else config.layout.pack(mine)
+        block = config.layout.to_ring(mine if packed else config.layout.pack(mine))
         cursor, laps = st.cursor[0], st.laps[0]
         rows, new_cursor, new_laps = storage.write(st.rows, cursor, laps, block, count, config.streams_per_shard)
         k = block.shape[0]
@@ -215,7 +216,7 @@ def sample(config: ReplayConfig, state: ReplayState, batches: Optional[int] = No
         extra = lax.bitcast_convert_type(jnp.stack(extra, axis=-1), jnp.uint32)
         if direct:
             return sampler_state, layout.gather_leaves(st.rows, steps), extra
-        rows = storage.gather(st.rows, steps).reshape(*slots.shape, window * layout.row_words)
+        rows = layout.to_words(storage.gather(st.rows, steps)).reshape(*slots.shape, window * layout.row_words)
         if sel.owner is not None and num_shards > 1:
             # every shard drew the same global batch; owners keep their rows, a reduce-scatter deals the blocks
             packed = jnp.concatenate([rows, extra], axis=-1)

@@ -237,6 +237,74 @@ def test_version_1_rings_in_slot_order_are_read_and_converted(tmp_path, monkeypa
         np.testing.assert_array_equal(g[:, 1:], g[:, :-1] + 8)  # a window: consecutive steps of one of 8 envs
 
 
+FRAME_SPEC = {"frame": jax.ShapeDtypeStruct((6, 5), jnp.uint8), "g": jax.ShapeDtypeStruct((), jnp.int32),
+              "terminated": jax.ShapeDtypeStruct((), jnp.bool_), "truncated": jax.ShapeDtypeStruct((), jnp.bool_)}
+
+
+def frame_batch(start, n):
+    g = np.arange(start, start + n, dtype=np.int32)
+    return {"frame": ((g[:, None, None] * 7 + np.arange(30).reshape(6, 5)) % 256).astype(np.uint8), "g": g,
+            "terminated": g % 11 == 10, "truncated": g % 13 == 12}
+
+
+def frame_plane(kind, shards):
+    sampler = samplers.uniform(16) if kind == "uniform" else samplers.sequences(16, 3, 8)
+    return ExperienceDataPlane(FRAME_SPEC, CAPACITY, sampler, mesh=default_mesh(shards), seed=3)
+
+
+@pytest.mark.parametrize("kind", ["uniform", "sequences"])
+def test_byte_rings_round_trip_increment_and_relayout(kind, tmp_path):
+    """A layout made mostly of bytes keeps a uint8 ring: full and incremental steps restore it bit-exactly on the same
+    shard count, and re-laid out on others it holds the rows of a plane built there from the same items."""
+    plane = frame_plane(kind, 2)
+    assert plane.state.storage.rows.dtype == np.uint8
+    plane.ingest(frame_batch(0, 40))
+    checkpoint.save(plane, tmp_path, incremental=True, block=True)
+    for start in (40, 80, 120):  # 160 items: the ring wraps
+        plane.ingest(frame_batch(start, 40))
+        assert checkpoint.save(plane, tmp_path, incremental=True, block=True).kind == "incremental"
+    restored = checkpoint.restore(tmp_path, mesh=default_mesh(2))
+    assert_same_state(plane.state, restored.state)
+    assert_same_delivery(plane.sample(), restored.sample())
+    for shards in (4, 1):
+        expected = frame_plane(kind, shards)
+        for start in range(0, 160, 40):
+            expected.ingest(frame_batch(start, 40))
+        assert_same_items(expected, checkpoint.restore(tmp_path, mesh=default_mesh(shards)))
+
+
+def test_version_2_byte_rings_saved_as_words_are_read_and_converted(tmp_path, monkeypatch):
+    """Before format version 3 every ring was uint32 words. A version-2 chain of a byte layout (a full step and an
+    increment), continued by this version's increments, restores on the same and on other shard counts to the plane
+    this version builds from the same calls."""
+    plane = frame_plane("sequences", 2)
+    with monkeypatch.context() as old:
+        old.setattr(type(plane.config.layout), "ring_dtype", property(lambda layout: np.dtype(np.uint32)))
+        old.setattr(checkpoint, "FORMAT_VERSION", 2)
+        plane = frame_plane("sequences", 2)
+        assert plane.state.storage.rows.dtype == np.uint32
+        for start in (0, 40):
+            plane.ingest(frame_batch(start, 40))
+            checkpoint.save(plane, tmp_path, incremental=True, block=True)
+    continued = checkpoint.restore(tmp_path, mesh=default_mesh(2))
+    assert continued.state.storage.rows.dtype == np.uint8
+    for start in (80, 120):  # version-3 increments on the version-2 chain
+        continued.ingest(frame_batch(start, 40))
+        assert checkpoint.save(continued, tmp_path, incremental=True, block=True).kind == "incremental"
+    for shards in (2, 4, 1):
+        expected = frame_plane("sequences", shards)
+        for start in range(0, 160, 40):
+            expected.ingest(frame_batch(start, 40))
+        restored = checkpoint.restore(tmp_path, mesh=default_mesh(shards))
+        assert np.array_equal(jax.device_get(expected.state.storage.rows), jax.device_get(restored.state.storage.rows))
+        assert_same_items(expected, restored)
+    middle = checkpoint.restore(tmp_path, step=1, mesh=default_mesh(2))  # the version-2 chain alone
+    reference = frame_plane("sequences", 2)
+    for start in (0, 40):
+        reference.ingest(frame_batch(start, 40))
+    assert_same_state(reference.state, middle.state)
+
+
 def test_memory_kinds_of_a_plan_and_a_replan_survive_the_checkpoint(tmp_path):
     """A plane placed by a plan (ring in pinned_host memory) saves and restores onto that plan bit for bit; after a
     replan (other memory kinds, same shard count) incremental saves still build on the earlier steps."""

@@ -111,17 +111,22 @@ def test_mixed_layout_offsets_and_round_trip():
         assert_bits_equal(nested[k][1, 5], batch[k][4])
 
 
-def test_gathering_leaves_equals_gathering_rows_then_unpacking():
+@pytest.mark.parametrize("ring", ["uint32", "uint8"])
+def test_gathering_leaves_equals_gathering_rows_then_unpacking(ring):
     """gather_leaves (each leaf read from its own elements of the ring: words, or bytes and halves for sub-word
     types) and read_leaf deliver the same bits as gathering whole rows and unpacking, NaN payloads included, for any
-    shape of row indices."""
+    shape of row indices, from a ring of words and from a ring of the same bytes (a layout made mostly of bytes)."""
     spec = ExperienceSpec.from_structs({k: jax.ShapeDtypeStruct(s, d) for k, (s, d, _) in MIXED.items()})
     layout = storage.RowLayout.of(spec)
     rng = np.random.default_rng(3)
-    rows = jax.jit(layout.pack)({k: random_leaf(rng, 11, s, d, nan_payloads=True) for k, (s, d, _) in MIXED.items()})
+    packed = jax.jit(layout.pack)({k: random_leaf(rng, 11, s, d, nan_payloads=True) for k, (s, d, _) in MIXED.items()})
+    rows = packed if ring == "uint32" else jax.jit(
+        lambda r: jax.lax.bitcast_convert_type(r, jnp.uint8).reshape(r.shape[0], layout.row_bytes))(packed)
+    np.testing.assert_array_equal(np.asarray(rows).view(np.uint32), np.asarray(packed))
+    whole_rows = packed
     at = jnp.asarray(rng.integers(0, 11, (4, 3)), jnp.int32)
     direct = jax.jit(layout.gather_leaves)(rows, at)
-    whole = jax.jit(lambda r, a: layout.unpack(r[a]))(rows, at)
+    whole = jax.jit(lambda r, a: layout.unpack(r[a]))(whole_rows, at)
     for k in MIXED:
         assert direct[k].shape == (4, 3, *MIXED[k][0])
         assert_bits_equal(direct[k], whole[k])
@@ -169,7 +174,9 @@ def test_init_works_under_eval_shape():
     spec = ExperienceSpec.from_example({"obs": np.zeros((84, 84, 4), np.uint8), "r": 0.0})
     layout = storage.RowLayout.of(spec)
     abstract = jax.eval_shape(lambda: storage.init(layout, 1 << 20, 8))
-    assert abstract.rows.shape == (1 << 20, 84 * 84 + 1) and abstract.rows.dtype == np.uint32
+    # frames make the row mostly bytes: the ring holds the row's 4 * (84 * 84 + 1) bytes as uint8
+    assert layout.ring_dtype == np.uint8 and layout.ring_width == 4 * (84 * 84 + 1) == layout.row_bytes
+    assert abstract.rows.shape == (1 << 20, layout.ring_width) and abstract.rows.dtype == np.uint8
     assert abstract.cursor.shape == (8,) and abstract.laps.shape == (8,) and abstract.next_shard.shape == ()
     assert all(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in jax.tree_util.tree_leaves(abstract))
     # the whole plane state too, for every sampler, at a capacity nobody allocates (the config comes from a small plane)
@@ -178,7 +185,7 @@ def test_init_works_under_eval_shape():
     for sampler in (samplers.uniform(8), samplers.fifo(8), samplers.epochs(8)):
         config = small.config._replace(layout=layout, sampler=sampler, capacity=1 << 20)
         state = jax.eval_shape(lambda c=config: replay.init(c, 0))
-        assert state.storage.rows.shape == (1 << 20, layout.row_words)
+        assert state.storage.rows.shape == (1 << 20, layout.ring_width)
         assert all(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in jax.tree_util.tree_leaves(state))
 
 

@@ -405,7 +405,8 @@ class ShardServer:
             gens.append(lap + (slots < c).astype(np.int32))
         ids = np.concatenate(ids).astype(np.int32)
         ring_rows = (ids // cap) * cap + plane.config.ring_row(ids % cap)
-        data = jax.device_get(plane.config.layout.unpack(jax.numpy.asarray(rows[ring_rows])))
+        layout = plane.config.layout
+        data = jax.device_get(layout.unpack(jax.numpy.asarray(layout.to_words(rows[ring_rows]))))
         return {"rows": ids, "generations": np.concatenate(gens).astype(np.int32), "data": data}
 
     def die(self) -> None:
