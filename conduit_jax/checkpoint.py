@@ -27,9 +27,9 @@ incremental step depends on.
 
 Incremental saves (``save(..., incremental=True)``). When this plane object's previous save went to the same
 directory (or it was restored from it), the step stores only the ring rows written since that step: for each shard s
-the ``count[s]`` rows from slot ``start[s]`` on (cyclically), as one array of the ring's rows (``[shards * D, ...]``,
-D: the largest count rounded up to 4-7 times a power of two; rows past ``count[s]`` are zero), plus every other state leaf
-in full (cursors, laps, counters, limiter and sampler state, including a priority sampler's sum trees and
+the ``count[s]`` rows from slot ``start[s]`` on (cyclically), as one array of ring rows (``[shards * D, ...]``, D:
+the largest count rounded up to 4-7 times a power of two; rows past ``count[s]`` are zero), plus every other state
+leaf in full (cursors, laps, counters, limiter and sampler state, including a priority sampler's sum trees and
 ``times_sampled``). Restore replays the chain: the full base step, then each increment's rows in order, then the last
 step's other leaves. Otherwise (first save of this plane object here, or some shard wrapped all the way round since)
 an incremental save writes a full step; ``SaveHandle.kind`` says which. Retention never deletes a step a kept
@@ -621,8 +621,9 @@ def _restore_same_layout(directory, chain, plane, targets, saved_streams: int, w
     for inc_step, inc_meta in chain[1:]:
         delta_meta = inc_meta["delta"]
         d = delta_meta["rows_per_shard"]
-        delta_target = {_DELTA: _saved_rows_target(inc_meta, _DELTA, jax.ShapeDtypeStruct(
-            (plane.num_shards * d, layout.ring_width), layout.ring_dtype, sharding=NamedSharding(plane.mesh, spec_axes)))}
+        wanted = jax.ShapeDtypeStruct((plane.num_shards * d, layout.ring_width), layout.ring_dtype,
+                                      sharding=NamedSharding(plane.mesh, spec_axes))
+        delta_target = {_DELTA: _saved_rows_target(inc_meta, _DELTA, wanted)}
         delta = _in_ring_units(_read_arrays(directory, inc_step, inc_meta, delta_target, where, timings)[_DELTA],
                                layout)
         rows = _apply_delta_kernel(plane.config, d)(rows, delta, np.asarray(delta_meta["start"], np.int32),
