@@ -62,6 +62,27 @@ def test_no_kernel_copies_the_ring_or_a_tree_level(sampler):
         assert large_copies(kernel.compile().as_text()) == [], name
 
 
+@pytest.mark.parametrize("sampler", ["uniform", "sequences"])
+def test_byte_ring_kernels_do_not_copy_the_ring(sampler):
+    """A layout of frames keeps a uint8 ring that ingest writes row by row (storage.write): the loop updates the
+    donated ring in place."""
+    spec = {"frame": jax.ShapeDtypeStruct((32, 36), np.uint8), "terminated": jax.ShapeDtypeStruct((), np.bool_),
+            "truncated": jax.ShapeDtypeStruct((), np.bool_)}
+    plane = ExperienceDataPlane(spec, CAPACITY, SAMPLERS[sampler](), mesh=default_mesh(1))
+    layout = plane.config.layout
+    assert layout.ring_dtype == np.uint8 and layout.row_bytes >= 1024
+    rng = np.random.default_rng(0)
+    frames = {"frame": rng.integers(0, 256, (64, 32, 36)).astype(np.uint8), "terminated": np.zeros(64, bool),
+              "truncated": np.zeros(64, bool)}
+    plane.ingest(frames)
+    state = plane.state
+    block = layout.to_ring(layout.pack_host(jax.tree_util.tree_leaves(frames), 0, 64, 64))
+    lowered = {"ingest": plane._ingest_kernel(64, True).lower(state, block, np.int32(64)),
+               "sample": plane._sample_kernel.lower(state.storage, _replace(state, storage=None))}
+    for name, kernel in lowered.items():
+        assert large_copies(kernel.compile().as_text()) == [], name
+
+
 def test_the_check_finds_a_full_copy():
     # the same check on a kernel known to copy: returning an unchanged, undonated buffer
     ring = jax.numpy.zeros((CAPACITY, 4), np.uint32)

@@ -214,6 +214,24 @@ def test_write_hand_computed(cursor, count, k, expect_rows, expect_cursor, expec
     assert int(new_cursor) == expect_cursor and int(new_laps) == expect_laps
 
 
+@pytest.mark.parametrize("streams", [1, 2])
+def test_wide_byte_rows_are_written_as_the_word_scatter_writes_them(streams):
+    """A byte ring with wide rows is written by a loop of row copies, the others by one scatter: the same rows,
+    cursor and laps, for fitting, shifted, wrapping, full and empty writes, padding rows never landing."""
+    words = storage.ROW_COPY_MIN_BYTES // 4
+    rng = np.random.default_rng(0)
+    ring = rng.integers(0, 2**32, (8, words), dtype=np.uint32)
+    write = jax.jit(storage.write, static_argnums=5)
+    for cursor, count, k in [(1, 3, 4), (5, 3, 4), (6, 3, 4), (3, 8, 8), (2, 0, 4), (7, 5, 8)]:
+        block = rng.integers(0, 2**32, (k, words), dtype=np.uint32)
+        args = (jnp.int32(cursor), jnp.int32(1), block, jnp.int32(count), streams)
+        want = write(ring, *args)
+        got = write(ring.view(np.uint8), args[0], args[1], block.view(np.uint8), *args[3:])
+        assert got[0].dtype == np.uint8
+        np.testing.assert_array_equal(np.asarray(got[0]).view(np.uint32), np.asarray(want[0]))
+        assert (int(got[1]), int(got[2])) == (int(want[1]), int(want[2]))
+
+
 def test_deal_round_robin():
     # 6 items padded to 8 rows, 4 shards, the next item goes to shard 2: item g -> shard (2 + g) % 4
     batch = {"g": jnp.arange(8, dtype=jnp.int32)}
