@@ -71,9 +71,10 @@ def _sample_op(batch_size):
 
 def groups(settings: common.Settings) -> list[common.Group]:
     spec, cap, chunk = W3_SPEC, settings.capacity, settings.chunk
+    # the derived rows share their buffer with a row that adds already
+    derived = (peers.NumpyToJax, peers.ConduitRecycling)
     add = common.Metric(f"add_chunk{chunk}", f"add, chunks of {chunk} frames", "items/s", chunk, _add_op,
-                        applies=lambda c: not isinstance(c, (peers.NumpyToJax, peers.ConduitRecycling)), reps=settings.add_reps,
-                        first_from_fill=True)
+                        applies=lambda c: not isinstance(c, derived), reps=settings.add_reps, first_from_fill=True)
     peer_entries = [
         [common.Entry("numpy", lambda: peers.NumpyRing(spec, cap, 256)),
          common.Entry("numpy+device_put", lambda built: peers.NumpyToJax(built["numpy"]), derived=True)],
@@ -85,7 +86,8 @@ def groups(settings: common.Settings) -> list[common.Group]:
     for b in BATCHES:
         label = "conduit[1dev]"
         conduit = common.Entry(label, lambda b=b: peers.Conduit(spec, cap, b, devices=1, chunk=chunk))
-        recycling = common.Entry(RECYCLING, lambda built: peers.ConduitRecycling(built[label]), derived=True)
+        recycling = common.Entry(RECYCLING, lambda built, label=label: peers.ConduitRecycling(built[label]),
+                                 derived=True)
         sample = common.Metric(f"sample_b{b}", f"uniform sample, batch {b} (ready)", "samples/s", b,
                                _sample_op(b), reps=settings.sample_reps, extra={"batch_size": b})
         metrics = [add, sample] if b == BATCHES[0] else [sample]

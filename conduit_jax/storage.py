@@ -7,10 +7,10 @@ better the cost of small-row sampling. ``unpack`` turns rows back into the spec'
 A layout made mostly of 1-byte leaves (image frames) keeps the same bytes in a uint8 ring (``RowLayout.ring_dtype``)
 so that its frames are gathered as bytes without a conversion; packed rows in transit are uint32 words either way.
 
-Sharding. ``rows`` is ``uint32[capacity, row_words]`` split on the capacity axis over the shard axes of a mesh; each
-shard is an independent ring of ``capacity // shards`` slots with its own ``cursor`` and ``laps``. Items are dealt
-round robin: the g-th item ever ingested goes to shard ``g % shards``, at that shard's cursor. Two facts follow that the
-samplers rely on:
+Sharding. ``rows`` is ``uint32[capacity, row_words]`` (or those bytes) split on the capacity axis over the shard axes
+of a mesh; each shard is an independent ring of ``capacity // shards`` slots with its own ``cursor`` and ``laps``.
+Items are dealt round robin: the g-th item ever ingested goes to shard ``g % shards``, at that shard's cursor. Two
+facts follow that the samplers rely on:
   * shard item counts differ by at most one, and while nothing has wrapped the valid items of the whole buffer are
     exactly the ranks ``r < size`` under ``r -> (shard r % S, slot r // S)``; once full every slot is valid. So a
     uniform draw over ranks is a uniform draw over items with no prefix sums and no collective.
@@ -72,8 +72,8 @@ class RowLayout(NamedTuple):
         """The element type the ring stores its rows in: uint8 when 1-byte leaves make at least half of a row (image
         frames), else uint32. The bytes are the same either way. XLA:CPU reads a 1-byte leaf out of uint32 words by a
         shift and a mask per byte, which kept a frame gather at ~11 GB/s per thread; from a uint8 ring it is a plain
-        copy (W3: 17-22% less time per batch). A 4-byte leaf read from a uint8 ring pays that price instead, so it
-        is paid by whichever kind of leaf is the minority."""
+        copy (W3 kernels alone: 15-22% less time per batch). A 4-byte leaf read from a uint8 ring pays that price
+        instead, so it is paid by whichever kind of leaf is the minority."""
         byte_elems = sum(slot.elems for slot in self.slots if slot.per_word == 4)
         return np.dtype(np.uint8) if 2 * byte_elems >= self.row_bytes else np.dtype(np.uint32)
 
