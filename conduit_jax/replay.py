@@ -132,7 +132,7 @@ def ingest(config: ReplayConfig, state: ReplayState, batch, n, *, packed: bool =
     def per_shard(state: ReplayState, batch, n):
         st = state.storage
         mine, count = storage.deal(batch, st.next_shard, n, _shard_index(config), config.num_shards)
-        block = config.layout.to_ring(mine if packed else config.layout.pack(mine))
+        block = config.layout.to_ring(mine) if packed else config.layout.pack_ring(mine)
         cursor, laps = st.cursor[0], st.laps[0]
         rows, new_cursor, new_laps = storage.write(st.rows, cursor, laps, block, count, config.streams_per_shard)
         k = block.shape[0]

@@ -101,6 +101,14 @@ class RowLayout(NamedTuple):
 
     def pack(self, batch) -> jax.Array:
         """Pytree batch with leading axis n -> uint32[n, row_words]. Pure, jit-friendly."""
+        return self._pack(batch, bytes_out=False)
+
+    def pack_ring(self, batch) -> jax.Array:
+        """``pack`` into the ring's element type directly: for a byte ring every leaf goes to bytes, so frames are
+        copied as they are instead of being combined into words and split again."""
+        return self._pack(batch, bytes_out=self.ring_dtype == np.uint8)
+
+    def _pack(self, batch, bytes_out: bool) -> jax.Array:
         leaves = jax.tree_util.tree_leaves(batch)
         n = leaves[0].shape[0]
         parts = []
@@ -111,6 +119,11 @@ class RowLayout(NamedTuple):
             if x.dtype != dtype:  # 64-bit input admitted by cast=True
                 x = x.astype(dtype)
             x = x.reshape(n, slot.elems)
+            if bytes_out:  # unsigned bytes before padding (see below), each leaf padded to its words
+                x = x.astype(jnp.uint8) if dtype == np.bool_ else lax.bitcast_convert_type(x, jnp.uint8)
+                x = x.reshape(n, -1)
+                parts.append(jnp.pad(x, ((0, 0), (0, 4 * slot.words - x.shape[1]))))
+                continue
             if slot.per_word == 1:
                 parts.append(lax.bitcast_convert_type(x, jnp.uint32))
                 continue
@@ -122,7 +135,7 @@ class RowLayout(NamedTuple):
                 x = jnp.pad(x, ((0, 0), (0, pad)))
             parts.append(lax.bitcast_convert_type(x.reshape(n, slot.words, slot.per_word), jnp.uint32))
         if not parts:
-            return jnp.zeros((n, 1), jnp.uint32)
+            return jnp.zeros((n, 4), jnp.uint8) if bytes_out else jnp.zeros((n, 1), jnp.uint32)
         return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1)
 
     def pack_host(self, leaves, start: int, count: int, rows: int, out: Optional[np.ndarray] = None) -> np.ndarray:

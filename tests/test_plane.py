@@ -359,9 +359,11 @@ def test_capacity_error_is_a_conduit_error(mesh, state_snapshot):
     check()
 
 
+@pytest.mark.parametrize("to_device", [False, True], ids=["numpy", "jax"])
 @pytest.mark.parametrize("sampler", ["uniform", "sequences"])
-def test_wide_rows_are_delivered_bit_exactly(sampler):
-    """On one shard every leaf is gathered straight from its words of the ring; wide rows stay bit-exact."""
+def test_wide_rows_are_delivered_bit_exactly(sampler, to_device):
+    """On one shard every leaf is gathered straight from its elements of the ring (here a byte ring: frames make most
+    of the row); wide rows stay bit-exact, packed on the host or, from device arrays, on the device."""
     spec = ExperienceSpec.from_example({"frame": np.zeros((32, 40), np.uint8), "t": np.int32(0), "env": np.int32(0),
                                            "r": np.float32(0), "terminated": np.bool_(False),
                                            "truncated": np.bool_(False)})
@@ -371,10 +373,13 @@ def test_wide_rows_are_delivered_bit_exactly(sampler):
     plane = ExperienceDataPlane(spec, 64, chosen, mesh=default_mesh(1))
     rng = np.random.default_rng(0)
     frames = rng.integers(0, 256, (40, streams, 32, 40)).astype(np.uint8)
+    assert plane.config.layout.ring_dtype == np.uint8
     for t in range(10):
-        plane.ingest({"frame": frames[t], "t": np.full(streams, t, np.int32), "env": np.arange(streams, dtype=np.int32),
-                      "r": rng.random(streams).astype(np.float32), "terminated": np.zeros(streams, bool),
-                      "truncated": np.zeros(streams, bool)})
+        step = {"frame": frames[t], "t": np.full(streams, t, np.int32), "env": np.arange(streams, dtype=np.int32),
+                "r": rng.random(streams).astype(np.float32), "terminated": np.zeros(streams, bool),
+                "truncated": np.zeros(streams, bool)}
+        plane.ingest(as_jax(step) if to_device else step)
+    assert "ingest[4]" in plane.compile_counts() if to_device else "ingest[4,packed]" in plane.compile_counts()
     for _ in range(5):
         data = jax.device_get(plane.sample().data)
         t, env = np.asarray(data["t"]), np.asarray(data["env"])

@@ -153,6 +153,20 @@ def test_host_packing_matches_device_packing_bit_for_bit():
     np.testing.assert_array_equal(packed[:5], device[2:7])
 
 
+def test_packing_into_a_byte_ring_gives_the_bytes_of_the_word_rows():
+    """Device arrays ingested into a byte ring are packed straight to bytes (pack_ring): the very bytes of pack's
+    words, padding and NaN payloads included, for every dtype."""
+    shapes = {k: (s, d) for k, (s, d, _) in MIXED.items()} | {"frame": ((300,), np.uint8)}
+    spec = ExperienceSpec.from_structs({k: jax.ShapeDtypeStruct(s, d) for k, (s, d) in shapes.items()})
+    layout = storage.RowLayout.of(spec)
+    assert layout.ring_dtype == np.uint8
+    batch = {k: random_leaf(np.random.default_rng(2), 9, s, d, nan_payloads=True) for k, (s, d) in shapes.items()}
+    words = np.asarray(jax.jit(layout.pack)(batch))
+    ring = np.asarray(jax.jit(layout.pack_ring)(batch))
+    assert ring.dtype == np.uint8 and ring.shape == (9, layout.row_bytes)
+    np.testing.assert_array_equal(ring.view(np.uint32), words)
+
+
 def test_pack_puts_each_leaf_in_its_own_words():
     """Padding of a sub-word leaf is zeros and never spills into the next leaf's words."""
     spec = ExperienceSpec.from_example({"a": np.zeros((3,), np.uint8), "b": np.uint8(0)})
