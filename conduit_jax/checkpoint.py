@@ -7,8 +7,8 @@ so it can be rebuilt), capacity, shard count and per-shard write counts, sampler
 parameters), staleness, ``cast``, the delivery schedule, and for every stored array its shape, dtype and CRC-32.
 Nothing is pickled: loading a checkpoint cannot run code. Restore refuses (``CheckpointError``, a ``ValueError``) a
 missing, unfinished, partial or corrupted checkpoint (an array that does not read back or whose CRC differs), a
-format version it cannot read, and anything that does not match what the caller passes explicitly (``spec``, ``capacity``,
-``sampler``, ``limiter``); the message says what differs.
+format version it cannot read, and anything that does not match what the caller passes explicitly (``spec``,
+``capacity``, ``sampler``, ``limiter``); the message says what differs.
 
 Saving is asynchronous. The plane donates its state buffers on every ingest, so a background writer must never hold
 the live arrays: ``save`` takes the plane's lock only to copy the state, and a background thread writes the copy
@@ -780,9 +780,6 @@ def _relayout(old: dict, plane, saved_shards: int, saved_streams: int, targets: 
                                   f"sampler from {saved_shards} to {shards} shards")
         out[name] = old[name]
     return out
-
-
-
 
 
 @functools.lru_cache(maxsize=8)

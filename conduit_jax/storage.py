@@ -304,10 +304,11 @@ def write(rows, cursor, laps, block, count, streams: int = 1):
     """Write the first ``count`` rows of ``block`` at slots from ``cursor`` on, wrapping around the ring: (rows,
     cursor, laps). ``streams``: see ``ring_row``.
 
-    One row scatter into the donated ring: item i goes to the row of slot ``(cursor + i) % capacity``, and the padding
-    rows past ``count`` get an out-of-range index, which the scatter drops, so they never touch stored items. No
-    branch: a conditional around the write (fits / wraps) made XLA:CPU copy the taken branch's result and cost 2.4x
-    the scatter, and a masked dynamic-update-slice reads the old rows back only to keep them.
+    One row scatter into the donated ring (wide rows of a byte ring: a loop of row copies, see below): item i goes to
+    the row of slot ``(cursor + i) % capacity``, and the padding rows past ``count`` get an out-of-range index, which
+    the scatter drops, so they never touch stored items. No branch: a conditional around the write (fits / wraps) made
+    XLA:CPU copy the taken branch's result and cost 2.4x the scatter, and a masked dynamic-update-slice reads the old
+    rows back only to keep them.
     """
     capacity, k = rows.shape[0], block.shape[0]
     assert k <= capacity, "the shell splits batches larger than a shard's ring"
