@@ -66,6 +66,7 @@ def _in_subprocess(settings) -> list[dict]:
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + FLAG).strip()
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env[common.RESULTS_ENV] = str(common.RESULTS_DIR)  # where this process reads the subprocess's records back
     cmd = [sys.executable, "-m", "benchmarks.bench_w6", "--capacity", str(settings.capacity), "--rounds",
            str(settings.rounds)] + (["--quick"] if settings.quick else [])
     common.log_line(f"w6: this process has fewer than 8 JAX devices; running `{' '.join(cmd[1:])}` with XLA_FLAGS="

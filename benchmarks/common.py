@@ -34,30 +34,47 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+RESULTS_ENV = "CONDUIT_BENCH_RESULTS"  # a results directory handed to a workload run in a subprocess (W6)
+RESULTS_DIR = Path(os.environ.get(RESULTS_ENV) or Path(__file__).resolve().parent / "results")
 BASELINE = "conduit"  # every ratio is taken against the contender whose name starts with this
 
-_configured = False
+_runtime: Optional[dict] = None  # what configure_runtime applied (recorded in every environment line)
+XLA_THREADS_ENV = "CONDUIT_BENCH_XLA_THREADS"  # run.py --xla-threads sets it, so W6's subprocess inherits it
 
 
-# ------------------------------------------------------------------------------------------------------------------
-# Process settings
-# ------------------------------------------------------------------------------------------------------------------
-def configure_runtime() -> None:
-    """Dispatch settings for latency-bound single-stream loops on this 2-core host (ARCHITECTURE.md).
+def xla_threads() -> Optional[int]:
+    """XLA:CPU intra-op pool threads for this run: ``$CONDUIT_BENCH_XLA_THREADS`` (a count, or 'default' for XLA's
+    own choice, one per usable CPU), else 1."""
+    value = os.environ.get(XLA_THREADS_ENV, "1")
+    if value == "default":
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise SystemExit(f"{XLA_THREADS_ENV}={value!r}: expected a positive integer or 'default'")
+    return int(value)
 
-    ``jax_cpu_enable_async_dispatch=False`` made multi-kernel samplers 1.3-1.7x faster here; it only takes effect
-    before the first computation, so call this first thing in ``main``. torch (imported lazily by the TorchRL peer)
-    is pinned to one thread in ``peers.import_torch``: with its default 2 threads on 2 shared cores it is 25-60x
-    slower.
+
+def configure_runtime() -> dict:
+    """Dispatch settings for latency-bound single-stream loops on this 2-core host (ARCHITECTURE.md), through
+    ``conduit_jax.runtime.configure_cpu``: async dispatch off (multi-kernel samplers 1.3-1.7x faster here) and an
+    XLA:CPU intra-op pool of ``xla_threads()`` threads (one by default: on a small host each hand-off to a pool thread
+    costs tens of microseconds per kernel, for Conduit and Flashbax alike). torch (imported lazily by the TorchRL
+    peer) is pinned to one thread in ``peers.import_torch`` for the same reason. Both settings are fixed when the
+    JAX backend starts, so call this first thing in ``main``; when a backend already runs (a caller started JAX
+    first) nothing changes and the record says so.
     """
-    global _configured
-    if _configured:
-        return
-    import jax
+    global _runtime
+    if _runtime is not None:
+        return _runtime
+    from conduit_jax import runtime
 
-    jax.config.update("jax_cpu_enable_async_dispatch", False)
-    _configured = True
+    if runtime.backend_started():
+        import jax
+
+        _runtime = {"intra_op_threads": "unchanged: the JAX backend had started before configure_runtime()",
+                    "async_dispatch": bool(jax.config.read("jax_cpu_enable_async_dispatch")), "narrowed": False}
+    else:
+        _runtime = runtime.configure_cpu(xla_threads(), async_dispatch=False)
+    return _runtime
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -138,6 +155,7 @@ def environment(memcpy: dict[str, float], extra: Optional[dict] = None) -> dict[
         "default_memory_kind": default_kind,
         "memory_kinds": memory_kinds,
         "jax_cpu_enable_async_dispatch": bool(jax.config.read("jax_cpu_enable_async_dispatch")),
+        "xla_cpu_intra_op_threads": configure_runtime()["intra_op_threads"],
         "XLA_FLAGS": os.environ.get("XLA_FLAGS"),
         # set on this machine for old OpenBLAS builds; the measured paths (indexing, copies, sum-tree arithmetic)
         # call no BLAS routine, so they do not change what is measured here

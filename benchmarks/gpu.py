@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import os
 import sys
 import time
 import traceback
@@ -396,6 +397,8 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--probe", metavar="KIND", help=argparse.SUPPRESS)  # internal: probe_kind's subprocess
     args = parser.parse_args(argv)
+    # the GPU's runtime is not the CPU client's pool: leave XLA's own thread choice unless asked otherwise
+    os.environ.setdefault(common.XLA_THREADS_ENV, "default")
     if args.probe:
         import json
 

@@ -46,19 +46,6 @@ def w12_goals():
     }
 
 
-def _backend_started() -> bool:
-    """Whether a JAX backend already runs in this process (importing jax starts none; the device count can still be
-    set until one does, e.g. under ``conduit bench``, whose CLI imports conduit_jax first)."""
-    if "jax" not in sys.modules:
-        return False
-    try:
-        from jax._src import xla_bridge
-
-        return bool(xla_bridge.backends_are_initialized())
-    except (ImportError, AttributeError):  # private API moved: assume the worst
-        return True
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
@@ -68,6 +55,9 @@ def main(argv=None) -> int:
     parser.add_argument("--capacity", type=int)
     parser.add_argument("--rounds", type=int)
     parser.add_argument("--no-plots", action="store_true")
+    parser.add_argument("--xla-threads", default="1", metavar="N|default",
+                        help="XLA:CPU intra-op pool threads for every JAX contender (default 1; 'default': one per "
+                             "usable CPU, XLA's own choice)")
     parser.add_argument("--results", default=None,
                         help="write the JSON lines and plots here instead of benchmarks/results (the smoke test "
                              "uses a temporary directory)")
@@ -77,10 +67,12 @@ def main(argv=None) -> int:
     if unknown:
         parser.error(f"--only: unknown workload(s) {unknown}; choose from {', '.join(WORKLOADS)}")
 
-    # 8 emulated devices must be requested before JAX initialises its backends (nothing above imports jax). W6 alone
-    # gets them in-process; with other workloads it runs in a subprocess so their 1-device rows are unaffected.
+    from conduit_jax import runtime  # imports jax but starts no backend
+
+    # 8 emulated devices must be requested before JAX initialises its backends. W6 alone gets them in-process; with
+    # other workloads it runs in a subprocess so their 1-device rows are unaffected.
     if (args.emulated_mesh or only == ["w6"]) and DEVICE_FLAG.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
-        if _backend_started():
+        if runtime.backend_started():
             if args.emulated_mesh:
                 parser.error("--emulated-mesh must be applied before a JAX backend starts")
         else:
@@ -88,6 +80,9 @@ def main(argv=None) -> int:
 
     from benchmarks import bench_w1, bench_w2, bench_w3, bench_w4, bench_w5, bench_w6, common
 
+    if args.xla_threads != "default" and (not args.xla_threads.isdigit() or int(args.xla_threads) < 1):
+        parser.error(f"--xla-threads: expected a positive integer or 'default', got {args.xla_threads!r}")
+    os.environ[common.XLA_THREADS_ENV] = args.xla_threads
     common.configure_runtime()
     if args.results:
         common.RESULTS_DIR = Path(args.results)

@@ -3,7 +3,7 @@
 The public API; every name here is re-exported from the module that defines it.
 """
 
-from conduit_jax import limits, metrics, samplers, schedule, transforms
+from conduit_jax import limits, metrics, runtime, samplers, schedule, transforms
 from conduit_jax.errors import (CapacityError, ConduitError, ConfigError, NotEnoughDataError, PriorityError,
                                 RateLimitedError, SpecError)
 from conduit_jax.checkpoint import CheckpointError
@@ -16,5 +16,5 @@ __version__ = "0.1.0"
 __all__ = [
     "CapacityError", "CheckpointError", "ConduitError", "ConfigError", "Delivery", "ExperienceDataPlane", "ExperienceSpec",
     "NotEnoughDataError", "PriorityError", "RateLimitedError", "SpecError", "default_mesh", "limits", "samplers",
-    "metrics", "schedule", "transforms",
+    "metrics", "runtime", "schedule", "transforms",
 ]

@@ -27,15 +27,11 @@ def configure_devices(count: int = DEFAULT_HOST_DEVICES) -> str | None:
     flags = os.environ.get("XLA_FLAGS", "")
     if _DEVICE_COUNT_FLAG.lstrip("-") in flags or "JAX_NUM_CPU_DEVICES" in os.environ:
         return None
-    if "jax" in sys.modules:
-        try:
-            from jax._src import xla_bridge
-            started = xla_bridge.backends_are_initialized()
-        except (ImportError, AttributeError):  # pragma: no cover - private API moved; assume not started
-            started = False
-        if started:
-            return (f"a JAX backend is already running, so {_DEVICE_COUNT_FLAG}={count} cannot take effect; set "
-                    f"XLA_FLAGS='{_DEVICE_COUNT_FLAG}={count}' before starting Python")
+    from conduit_jax import runtime
+
+    if runtime.backend_started():
+        return (f"a JAX backend is already running, so {_DEVICE_COUNT_FLAG}={count} cannot take effect; set "
+                f"XLA_FLAGS='{_DEVICE_COUNT_FLAG}={count}' before starting Python")
     os.environ["XLA_FLAGS"] = f"{flags} {_DEVICE_COUNT_FLAG}={count}".strip()
     return None
 

@@ -1,0 +1,76 @@
+"""conduit_jax.runtime: the CPU client's thread pool and dispatch mode, set before JAX starts."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import pytest
+
+from conduit_jax import runtime
+from conduit_jax.errors import ConfigError
+
+# A child process: configure_cpu(THREADS) first, then report what the CPU client compiled and every thread's CPUs.
+# A gather of 256 rows from a 1M-row array is split over the pool (outer_dimension_partitions) whenever the pool
+# has more than one thread; with one thread XLA has nothing to split it over.
+CHILD = """
+import json, os, sys
+before = sorted(os.sched_getaffinity(0))
+from conduit_jax import runtime
+threads = None if sys.argv[1] == "default" else int(sys.argv[1])
+applied = runtime.configure_cpu(threads)
+import jax, jax.numpy as jnp
+rows = jax.ShapeDtypeStruct((1_000_000, 84), jnp.uint32)
+at = jax.ShapeDtypeStruct((256,), jnp.int32)
+hlo = jax.jit(lambda r, i: r[i]).lower(rows, at).compile().as_text()
+print(json.dumps({"applied": applied, "before": before, "async": jax.config.read("jax_cpu_enable_async_dispatch"),
+                  "partitioned": "outer_dimension_partitions" in hlo,
+                  "threads": [sorted(os.sched_getaffinity(int(t))) for t in os.listdir("/proc/self/task")]}))
+"""
+
+
+def _child(threads: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["JAX_PLATFORMS"] = "cpu"
+    done = subprocess.run([sys.executable, "-c", CHILD, threads], capture_output=True, text=True, timeout=120,
+                          env=env)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+needs_two_cpus = pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
+                                    reason="the pool size only shows on a process that may use 2 or more CPUs")
+
+
+@needs_two_cpus
+def test_one_thread_pool_splits_no_loop_and_pins_no_thread():
+    report = _child("1")
+    assert report["applied"] == {"intra_op_threads": 1, "async_dispatch": False, "narrowed": True}
+    assert report["async"] is False
+    assert not report["partitioned"], "a 1-thread pool still split the gather over threads"
+    assert len(report["threads"]) > 1  # the client's own threads exist ...
+    assert all(cpus == report["before"] for cpus in report["threads"]), report  # ... and none stays pinned
+
+
+@needs_two_cpus
+def test_default_pool_is_xla_s_own_choice():
+    report = _child("default")
+    assert report["applied"]["narrowed"] is False
+    assert report["applied"]["intra_op_threads"] == len(report["before"])
+    assert report["partitioned"], "with every CPU in the pool XLA splits the large gather (the cost configure_cpu avoids)"
+
+
+def test_refused_once_a_backend_runs_and_nothing_changes():
+    jax.devices()  # conftest's backend runs already; make it explicit
+    assert runtime.backend_started()
+    before = jax.config.read("jax_cpu_enable_async_dispatch")
+    with pytest.raises(ConfigError, match=r"configure_cpu\(\): a JAX backend already runs"):
+        runtime.configure_cpu(1, async_dispatch=not before)
+    assert jax.config.read("jax_cpu_enable_async_dispatch") == before
+
+
+@pytest.mark.parametrize("bad", [0, -1, True, 1.5, "1"])
+def test_bad_thread_count_names_the_argument(bad):
+    with pytest.raises(ConfigError, match=r"intra_op_threads must be an int >= 1 or None, got"):
+        runtime.configure_cpu(bad)
