@@ -142,30 +142,29 @@ class RowLayout(NamedTuple):
         """NumPy twin of ``pack`` for host batches: items [start, start+count) of each leaf into uint32[rows,
         row_words] (rows past ``count`` are padding the kernel masks), ``out`` when given (64-byte aligned, see
         ``aligned_empty``), else a fresh array. One array crosses to the device instead of one per leaf, and the
-        caller's buffers are never aliased."""
+        caller's buffers are never aliased.
+
+        Each item's bytes of a leaf move as one element (``_item_view``): a strided copy of 1,000 W1 observations
+        (156 B each) took 9.1 us as 39 words per row and 5.9 us as one 156-byte element, a 16-byte action 5.6 and
+        2.4 us. A leaf of one or two bytes per item is zero-extended into its word in the same pass (pack pads with
+        zeros); other leaves whose bytes end inside a word get those bytes zeroed."""
         out = aligned_empty((rows, self.row_words)) if out is None else out
         out_bytes = out.view(np.uint8)
         for leaf, slot, dtype in zip(leaves, self.slots, self.spec.dtypes):
             if slot.elems == 0:
                 continue
-            x = np.asarray(leaf)[start:start + count].reshape(count, slot.elems)
+            x = np.asarray(leaf)[start:start + count]
             if x.dtype != dtype:
                 x = x.astype(dtype)  # 64-bit input admitted by cast=True
-            if slot.per_word == 1:  # copied word by word (a byte-wise copy of 4-byte columns is 2.7x slower)
-                out[:count, slot.offset:slot.offset + slot.words] = x.view(np.uint32)
+            width = slot.elems * dtype.itemsize
+            items = _item_view(np.ascontiguousarray(x).reshape(count, -1).view(np.uint8), width)
+            if width < 4 and width in _UNSIGNED:  # one sub-word element: its word, zero-extended
+                out[:count, slot.offset] = items
                 continue
-            data = np.ascontiguousarray(x).view(np.uint8)  # bool is one byte 0/1, as pack's astype(uint8)
-            if data.shape[1] < 64:  # a few bytes per item: pad to whole words in a small temporary, copy words
-                padded = np.zeros((count, slot.words), np.uint32)
-                padded.view(np.uint8)[:, :data.shape[1]] = data
-                out[:count, slot.offset:slot.offset + slot.words] = padded
-                continue
-            # wide 1- and 2-byte leaves (image frames): bytes straight into their words; a zero-filled temporary of
-            # megabytes faulted its pages in on every batch
-            first, end = 4 * slot.offset, 4 * (slot.offset + slot.words)
-            out_bytes[:count, first:first + data.shape[1]] = data
-            if first + data.shape[1] < end:  # the last word's unused bytes: zero, as pack pads
-                out_bytes[:count, first + data.shape[1]:end] = 0
+            first = 4 * slot.offset
+            _item_view(out_bytes[:count, first:first + width], width)[...] = items
+            if width < 4 * slot.words:  # the last word's unused bytes: zero, as pack pads
+                out_bytes[:count, first + width:4 * (slot.offset + slot.words)] = 0
         return out
 
     def unpack(self, rows: jax.Array):
@@ -220,6 +219,16 @@ class RowLayout(NamedTuple):
                 x = x[..., :slot.elems]
         x = x.reshape(*lead, *shape)
         return x.astype(jnp.bool_) if dtype == np.bool_ else x
+
+
+_UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+def _item_view(item_bytes: np.ndarray, width: int) -> np.ndarray:
+    """uint8[n, width] (contiguous rows) as n elements of ``width`` bytes: an unsigned integer where one exists,
+    else a raw ``V<width>`` element. NumPy copies either kind byte for byte (NaN payloads included), one element
+    per item, which is what makes ``pack_host``'s strided copies fast."""
+    return item_bytes.view(_UNSIGNED.get(width, np.dtype(f"V{width}")))[:, 0]
 
 
 def aligned_empty(shape) -> np.ndarray:

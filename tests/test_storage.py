@@ -135,14 +135,15 @@ def test_gathering_leaves_equals_gathering_rows_then_unpacking(ring):
 
 def test_host_packing_matches_device_packing_bit_for_bit():
     """The shell packs NumPy batches on the host (pack_host) and device arrays in the kernel (pack): the same rows,
-    padding included, for every dtype and word alignment, narrow and wide (image-like) leaves, also into a reused,
-    dirty output array and for a slice of the batch with padding rows past it."""
+    padding and NaN payloads included, for every dtype and word alignment, narrow and wide (image-like) leaves, also
+    into a reused, dirty output array, for a slice of the batch with padding rows past it, and for leaves that are
+    strided views of larger arrays."""
     shapes = {k: (s, d) for k, (s, d, _) in MIXED.items()} | {"wide_u8": ((67,), np.uint8),
                                                                  "wide_bf16": ((33,), jnp.bfloat16)}
     spec = ExperienceSpec.from_structs({k: jax.ShapeDtypeStruct(s, d) for k, (s, d) in shapes.items()})
     layout = storage.RowLayout.of(spec)
     rng = np.random.default_rng(1)
-    batch = {k: random_leaf(rng, 9, s, d) for k, (s, d) in shapes.items()}
+    batch = {k: random_leaf(rng, 9, s, d, nan_payloads=True) for k, (s, d) in shapes.items()}
     leaves = jax.tree_util.tree_leaves(batch)
     device = np.asarray(jax.jit(layout.pack)(batch))
     np.testing.assert_array_equal(layout.pack_host(leaves, 0, 9, 9), device)
@@ -151,6 +152,10 @@ def test_host_packing_matches_device_packing_bit_for_bit():
     packed = layout.pack_host(leaves, 2, 5, 16, out=dirty)
     assert packed is dirty
     np.testing.assert_array_equal(packed[:5], device[2:7])
+    # every other item of a twice-as-long batch: no leaf is contiguous
+    doubled = [np.repeat(leaf, 2, axis=0)[::2] for leaf in leaves]
+    assert not any(leaf.flags.c_contiguous for leaf in doubled)
+    np.testing.assert_array_equal(layout.pack_host(doubled, 0, 9, 9), device)
 
 
 def test_packing_into_a_byte_ring_gives_the_bytes_of_the_word_rows():
