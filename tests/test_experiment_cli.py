@@ -209,3 +209,13 @@ def test_ablation_quick_smoke(tmp_path):
     variants = {r["variant"] for r in data["rows"]}
     assert variants == {"baseline", "+placement", "+scheduling", "full", "default_mesh"}
     assert data["verdict"] and data["noise"]["threshold"] >= 0.05
+
+
+def test_bench_forwards_its_options_to_the_suite(monkeypatch):
+    """``conduit bench`` hands its options to ``benchmarks.run.main`` as that script's own flags."""
+    calls = []
+    suite = types.SimpleNamespace(main=lambda argv: calls.append(list(argv)) or 0)
+    monkeypatch.setattr(cli, "_import_benchmarks", lambda module: (suite, None))
+    assert cli.main(["bench", "--quick", "--only", "w1,w2", "--no-plots", "--xla-threads", "default"]) == 0
+    assert cli.main(["bench", "--rounds", "3"]) == 0
+    assert calls == [["--quick", "--only", "w1,w2", "--no-plots", "--xla-threads", "default"], ["--rounds", "3"]]
