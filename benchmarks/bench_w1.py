@@ -61,7 +61,7 @@ def entries(settings: common.Settings, emulated: bool = True) -> list[common.Ent
 
 
 def run(settings: common.Settings, emulated: bool = True) -> list[dict]:
-    common.configure_runtime()
+    common.configure_runtime("w1")
     rng = np.random.default_rng(1)
     pools = {"chunks": [peers.random_batch(W1_SPEC, settings.chunk, rng) for _ in range(POOL_CHUNKS)]}
     metrics = [

@@ -59,7 +59,7 @@ def entries(settings: common.Settings, per: peers.PER, emulated: bool = True) ->
 
 
 def run(settings: common.Settings, emulated: bool = True) -> list[dict]:
-    common.configure_runtime()
+    common.configure_runtime("w2")
     per = peers.PER(alpha=0.6, beta=0.4, eps=1e-6)
     rng = np.random.default_rng(2)
     pools = {

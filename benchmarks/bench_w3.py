@@ -122,7 +122,7 @@ GOALS = [
 
 
 def run(settings: common.Settings, explicit_capacity: bool = False) -> list[dict]:
-    common.configure_runtime()
+    common.configure_runtime("w3")
     settings.capacity, capacity_note = fit_capacity(settings, explicit_capacity)
     common.log_line(f"w3: {capacity_note}")
     rng = np.random.default_rng(3)

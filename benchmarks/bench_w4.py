@@ -106,7 +106,7 @@ def random_rollout(rng: np.random.Generator) -> dict:
 
 
 def run(settings: common.Settings) -> list[dict]:
-    common.configure_runtime()
+    common.configure_runtime("w4")
     rng = np.random.default_rng(4)
     pools = {"chunks": [random_rollout(rng) for _ in range(POOL)]}
     item = peers.item_bytes(W4_SPEC)

@@ -89,7 +89,7 @@ GOALS = [
 
 
 def run(settings: common.Settings) -> list[dict]:
-    common.configure_runtime()
+    common.configure_runtime("w5")
     rng = np.random.default_rng(5)
     pools = {"chunks": [random_chunk(rng, settings.chunk) for _ in range(POOL_CHUNKS)]}
     metrics = [

@@ -84,7 +84,7 @@ def run(settings) -> list[dict]:
 
     if jax.device_count() < max(DEVICES):
         return _in_subprocess(settings)
-    common.configure_runtime()
+    common.configure_runtime("w6")
     import numpy as np
 
     rng = np.random.default_rng(6)

@@ -39,28 +39,30 @@ RESULTS_DIR = Path(os.environ.get(RESULTS_ENV) or Path(__file__).resolve().paren
 BASELINE = "conduit"  # every ratio is taken against the contender whose name starts with this
 
 _runtime: Optional[dict] = None  # what configure_runtime applied (recorded in every environment line)
-XLA_THREADS_ENV = "CONDUIT_BENCH_XLA_THREADS"  # run.py --xla-threads sets it, so W6's subprocess inherits it
+XLA_THREADS_ENV = "CONDUIT_BENCH_XLA_THREADS"  # run.py --xla-threads sets it; a workload's subprocess inherits it
+# XLA:CPU intra-op pool per workload when nobody chose one: one thread (replay-sized kernels: a hand-off to a second
+# pool thread costs more than it saves), except W3, whose batches are megabytes of frames: its copies ran at 86% of
+# memcpy with XLA's own pool (2 threads here) and at 62% with one (b256, batch buffers recycled)
+WORKLOAD_XLA_THREADS = {"w3": "default"}
 
 
-def xla_threads() -> Optional[int]:
-    """XLA:CPU intra-op pool threads for this run: ``$CONDUIT_BENCH_XLA_THREADS`` (a count, or 'default' for XLA's
-    own choice, one per usable CPU), else 1."""
-    value = os.environ.get(XLA_THREADS_ENV, "1")
-    if value == "default":
-        return None
-    if not value.isdigit() or int(value) < 1:
+def xla_threads_setting(workload: Optional[str] = None) -> str:
+    """The pool setting for a run: ``$CONDUIT_BENCH_XLA_THREADS`` when set, else the workload's own (a count, or
+    'default' for XLA's own pool of one thread per usable CPU)."""
+    value = os.environ.get(XLA_THREADS_ENV) or WORKLOAD_XLA_THREADS.get(workload, "1")
+    if value != "default" and (not value.isdigit() or int(value) < 1):
         raise SystemExit(f"{XLA_THREADS_ENV}={value!r}: expected a positive integer or 'default'")
-    return int(value)
+    return value
 
 
-def configure_runtime() -> dict:
+def configure_runtime(workload: Optional[str] = None) -> dict:
     """Dispatch settings for latency-bound single-stream loops on this 2-core host (ARCHITECTURE.md), through
-    ``conduit_jax.runtime.configure_cpu``: async dispatch off (multi-kernel samplers 1.3-1.7x faster here) and an
-    XLA:CPU intra-op pool of ``xla_threads()`` threads (one by default: on a small host each hand-off to a pool thread
-    costs tens of microseconds per kernel, for Conduit and Flashbax alike). torch (imported lazily by the TorchRL
-    peer) is pinned to one thread in ``peers.import_torch`` for the same reason. Both settings are fixed when the
-    JAX backend starts, so call this first thing in ``main``; when a backend already runs (a caller started JAX
-    first) nothing changes and the record says so.
+    ``conduit_jax.runtime.configure_cpu``: async dispatch off (multi-kernel samplers 1.3-1.7x faster here) and the
+    XLA:CPU intra-op pool of ``xla_threads_setting(workload)`` (see ``WORKLOAD_XLA_THREADS``), for Conduit and the
+    other JAX contenders alike. torch (imported lazily by the TorchRL peer) is pinned to one thread in
+    ``peers.import_torch``: with its default 2 threads on 2 shared cores it is 25-60x slower. Both JAX settings are
+    fixed when the backend starts, so the first call decides (call it first thing in ``main``); when a backend already
+    runs (a caller started JAX first) nothing changes and the record says so.
     """
     global _runtime
     if _runtime is not None:
@@ -73,7 +75,8 @@ def configure_runtime() -> dict:
         _runtime = {"intra_op_threads": "unchanged: the JAX backend had started before configure_runtime()",
                     "async_dispatch": bool(jax.config.read("jax_cpu_enable_async_dispatch")), "narrowed": False}
     else:
-        _runtime = runtime.configure_cpu(xla_threads(), async_dispatch=False)
+        setting = xla_threads_setting(workload)
+        _runtime = runtime.configure_cpu(None if setting == "default" else int(setting), async_dispatch=False)
     return _runtime
 
 
@@ -812,7 +815,7 @@ def run_workload(workload: str, description: str, spec: dict, settings: Settings
     MemAvailable is reported unavailable instead of pushing a shared machine into the OOM killer."""
     from benchmarks import peers
 
-    configure_runtime()
+    configure_runtime(workload)
     warm_runtimes()
     load_start = list(os.getloadavg())
     notes = dict(notes or {})

@@ -8,6 +8,9 @@
   --capacity N, --rounds R   override the sizes of every selected workload (W4's rollout size is fixed)
   --no-plots       skip the PNG charts (benchmarks/plots.py; needs matplotlib)
   --results DIR    write the JSON lines (and plots) to DIR instead of benchmarks/results
+  --xla-threads N|default   the XLA:CPU intra-op pool of every JAX contender; without it each workload gets its own
+                   (one thread; W3, whose batches are megabytes, XLA's default), a workload whose setting differs
+                   from the first one's running in a subprocess (the pool is fixed when JAX starts)
 
 Workloads: w1 SAC uniform, w2 SAC PER, w3 Atari frames (batch 256 and 32), w4 PPO epochs, w5 sequences of 32 steps,
 w6 W1 on 1/2/4/8 emulated devices (run in a subprocess with XLA_FLAGS unless this process was started with 8 devices,
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
 import time
 import traceback
@@ -46,6 +50,24 @@ def w12_goals():
     }
 
 
+def _in_subprocess(name: str, threads: str, args) -> None:
+    """Run workload ``name`` as ``python -m benchmarks.bench_<name>`` with another XLA:CPU pool (fixed per process),
+    writing its records where this run writes its own."""
+    from benchmarks import common
+
+    cmd = [sys.executable, "-m", f"benchmarks.bench_{name}"] + (["--quick"] if args.quick else [])
+    if args.capacity is not None and name != "w4":  # W4's size is the rollout
+        cmd += ["--capacity", str(args.capacity)]
+    if args.rounds is not None:
+        cmd += ["--rounds", str(args.rounds)]
+    root = str(Path(__file__).resolve().parent.parent)
+    env = {**os.environ, common.XLA_THREADS_ENV: threads, common.RESULTS_ENV: str(common.RESULTS_DIR),
+           "PYTHONPATH": root + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else "")}
+    common.log_line(f"{name}: XLA:CPU pool '{threads}' differs from this process's; running `{' '.join(cmd[1:])}` "
+                    f"in a subprocess")
+    subprocess.run(cmd, env=env, check=True)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
@@ -55,9 +77,10 @@ def main(argv=None) -> int:
     parser.add_argument("--capacity", type=int)
     parser.add_argument("--rounds", type=int)
     parser.add_argument("--no-plots", action="store_true")
-    parser.add_argument("--xla-threads", default="1", metavar="N|default",
-                        help="XLA:CPU intra-op pool threads for every JAX contender (default 1; 'default': one per "
-                             "usable CPU, XLA's own choice)")
+    parser.add_argument("--xla-threads", default=None, metavar="N|default",
+                        help="XLA:CPU intra-op pool threads for the JAX contenders of every workload ('default': one "
+                             "per usable CPU, XLA's own choice); without it each workload runs with its own setting "
+                             "(common.WORKLOAD_XLA_THREADS: 1, W3 'default'), in a subprocess where it differs")
     parser.add_argument("--results", default=None,
                         help="write the JSON lines and plots here instead of benchmarks/results (the smoke test "
                              "uses a temporary directory)")
@@ -80,10 +103,13 @@ def main(argv=None) -> int:
 
     from benchmarks import bench_w1, bench_w2, bench_w3, bench_w4, bench_w5, bench_w6, common
 
-    if args.xla_threads != "default" and (not args.xla_threads.isdigit() or int(args.xla_threads) < 1):
-        parser.error(f"--xla-threads: expected a positive integer or 'default', got {args.xla_threads!r}")
-    os.environ[common.XLA_THREADS_ENV] = args.xla_threads
-    common.configure_runtime()
+    if args.xla_threads is not None:
+        if args.xla_threads != "default" and (not args.xla_threads.isdigit() or int(args.xla_threads) < 1):
+            parser.error(f"--xla-threads: expected a positive integer or 'default', got {args.xla_threads!r}")
+        os.environ[common.XLA_THREADS_ENV] = args.xla_threads
+    # the pool is fixed for the process: the first workload's setting here, the others' in subprocesses
+    here = common.xla_threads_setting(only[0])
+    common.configure_runtime(only[0])
     if args.results:
         common.RESULTS_DIR = Path(args.results)
         common.RESULTS_DIR.mkdir(parents=True, exist_ok=True)
@@ -100,7 +126,10 @@ def main(argv=None) -> int:
     start = time.perf_counter()
     for name in only:
         try:
-            runners[name]()
+            if common.xla_threads_setting(name) != here:
+                _in_subprocess(name, common.xla_threads_setting(name), args)
+            else:
+                runners[name]()
             if name in ("w1", "w2"):
                 path = common.RESULTS_DIR / (f"{name}.quick.jsonl" if quick else f"{name}.jsonl")
                 goals = common.attach_goals(path, w12_goals()[name], name)
