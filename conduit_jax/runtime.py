@@ -22,9 +22,10 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 from typing import Optional
 
-from conduit_jax.errors import ConfigError
+from conduit_jax.errors import ConduitWarning, ConfigError
 
 
 def backend_started() -> bool:
@@ -57,7 +58,10 @@ def configure_cpu(intra_op_threads: Optional[int] = 1, *, async_dispatch: bool =
     import jax
 
     jax.config.update("jax_cpu_enable_async_dispatch", bool(async_dispatch))
-    usable = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+    usable = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_setaffinity") else None
+    if usable is None and intra_op_threads is not None:
+        warnings.warn("configure_cpu(): this platform has no sched_setaffinity, so XLA:CPU keeps its own thread "
+                      "pool (one thread per CPU); only the dispatch mode was set", ConduitWarning, stacklevel=2)
     if intra_op_threads is None or usable is None or intra_op_threads >= len(usable):
         jax.devices()
         pool = len(usable) if usable else os.cpu_count()
