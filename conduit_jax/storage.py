@@ -26,6 +26,7 @@ window of consecutive steps is then one sequential read rather than one DRAM acc
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple, Optional
 
 import jax
@@ -224,11 +225,16 @@ class RowLayout(NamedTuple):
 _UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
+@functools.cache
+def _item_dtype(width: int) -> np.dtype:
+    return np.dtype(_UNSIGNED.get(width, f"V{width}"))
+
+
 def _item_view(item_bytes: np.ndarray, width: int) -> np.ndarray:
     """uint8[n, width] (contiguous rows) as n elements of ``width`` bytes: an unsigned integer where one exists,
     else a raw ``V<width>`` element. NumPy copies either kind byte for byte (NaN payloads included), one element
     per item, which is what makes ``pack_host``'s strided copies fast."""
-    return item_bytes.view(_UNSIGNED.get(width, np.dtype(f"V{width}")))[:, 0]
+    return item_bytes.view(_item_dtype(width))[:, 0]
 
 
 def aligned_empty(shape) -> np.ndarray:
