@@ -41,9 +41,11 @@ BASELINE = "conduit"  # every ratio is taken against the contender whose name st
 _runtime: Optional[dict] = None  # what configure_runtime applied (recorded in every environment line)
 XLA_THREADS_ENV = "CONDUIT_BENCH_XLA_THREADS"  # run.py --xla-threads sets it; a workload's subprocess inherits it
 # XLA:CPU intra-op pool per workload when nobody chose one: one thread (replay-sized kernels: a hand-off to a second
-# pool thread costs more than it saves), except W3, whose batches are megabytes of frames: its copies ran at 86% of
-# memcpy with XLA's own pool (2 threads here) and at 62% with one (b256, batch buffers recycled)
-WORKLOAD_XLA_THREADS = {"w3": "default"}
+# pool thread costs more than it saves), except where a call moves megabytes, which two threads copy faster: W3's
+# frames (b256, batch buffers recycled: 79-86% of memcpy with XLA's own pool of 2 threads here, 50-62% with one) and
+# W4's epochs (the fused 16-minibatch gather: 1.14x NumPy with XLA's pool, 1.44-1.54x with one; the headline row
+# 1.95x either way)
+WORKLOAD_XLA_THREADS = {"w3": "default", "w4": "default"}
 
 
 def xla_threads_setting(workload: Optional[str] = None) -> str:
