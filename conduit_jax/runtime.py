@@ -6,11 +6,14 @@ fixed cost. Two settings of the CPU client decide much of that cost, and both ar
 * **The intra-op thread pool.** XLA:CPU sizes it to the CPUs the process may run on and then splits loops over it and
   runs independent thunks on it; each hand-off to a pool thread and the wait for it at the end cost tens of
   microseconds on a small host. Measured here (2 vCPUs, jax 0.10.2), a uniform sample of 256 rows from a 1M-row ring
-  took 66-72 us with the default 2-thread pool and 20-22 us with one thread; ``plane.sample()`` for W1 went from
-  1.40x NumPy's time to 1.00x in the same benchmark. This is the XLA counterpart of ``torch.set_num_threads(1)``.
-  No XLA flag sets the pool size, so ``configure_cpu`` starts the client while the calling thread may run on
-  ``intra_op_threads`` CPUs only, then gives every thread of the process its CPUs back: the pool keeps its size,
-  nothing stays pinned.
+  took 66-72 us with the default 2-thread pool and 20-22 us with one thread; in the benchmarks (runs one after
+  another, ratios within each run) W1's ``plane.sample()`` took 0.94-0.97x NumPy's time with one thread and 1.73x
+  with the default pool, W2's PER step 0.75-0.77x cpprb's against 0.93x. This is the XLA counterpart of
+  ``torch.set_num_threads(1)``. Calls that move megabytes are the exception: two threads copy them faster (W3's
+  Atari batches of 256 reached 79-86% of memcpy with the default pool, 50-62% with one), so keep XLA's pool there
+  (``intra_op_threads=None``). No XLA flag sets the pool size, so ``configure_cpu`` starts the client while the
+  calling thread may run on ``intra_op_threads`` CPUs only, then gives every thread of the process its CPUs back: the
+  pool keeps its size, nothing stays pinned.
 * **Async dispatch** (``jax_cpu_enable_async_dispatch``): off, each call runs in the calling thread instead of being
   queued; multi-kernel samplers ran 1.3-1.7x faster in single-stream loops here.
 
