@@ -117,7 +117,8 @@ def _bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=_positive_int, default=None, help="override the interleaved rounds")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG charts")
     parser.add_argument("--xla-threads", default=None, metavar="N|default",
-                        help="XLA:CPU intra-op pool threads for the JAX contenders (default 1; 'default': XLA's own)")
+                        help="XLA:CPU intra-op pool threads for the JAX contenders (default: each workload's own; "
+                             "'default': XLA's own pool)")
     parser.add_argument("--gpu", action="store_true",
                         help="run benchmarks/gpu.py instead: W1-W3 with the state in device, pinned_host and "
                              "unpinned_host memory (for a GPU; --quick smoke-tests it on CPU)")

@@ -58,7 +58,7 @@ def test_default_pool_is_xla_s_own_choice():
     report = _child("default")
     assert report["applied"]["narrowed"] is False
     assert report["applied"]["intra_op_threads"] == len(report["before"])
-    assert report["partitioned"], "with every CPU in the pool XLA splits the large gather (the cost configure_cpu avoids)"
+    assert report["partitioned"], "with every CPU in its pool XLA splits the large gather (what configure_cpu avoids)"
 
 
 def test_refused_once_a_backend_runs_and_nothing_changes():
