@@ -16,7 +16,6 @@ current process has fewer than 8 devices (``python -m benchmarks.run --only w6``
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 DEVICES = (1, 2, 4, 8)
@@ -62,16 +61,10 @@ def scaling_table(records: list[dict]) -> str:
 def _in_subprocess(settings) -> list[dict]:
     from benchmarks import common
 
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + FLAG).strip()
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    env[common.RESULTS_ENV] = str(common.RESULTS_DIR)  # where this process reads the subprocess's records back
-    cmd = [sys.executable, "-m", "benchmarks.bench_w6", "--capacity", str(settings.capacity), "--rounds",
-           str(settings.rounds)] + (["--quick"] if settings.quick else [])
-    common.log_line(f"w6: this process has fewer than 8 JAX devices; running `{' '.join(cmd[1:])}` with XLA_FLAGS="
-                    f"{FLAG} in a subprocess")
-    subprocess.run(cmd, env=env, check=True)
+    flags = (os.environ.get("XLA_FLAGS", "") + " " + FLAG).strip()
+    common.run_workload_module("w6", ["--capacity", str(settings.capacity), "--rounds", str(settings.rounds)]
+                               + (["--quick"] if settings.quick else []),
+                               f"this process has fewer than 8 JAX devices; XLA_FLAGS={FLAG}", {"XLA_FLAGS": flags})
     path = common.RESULTS_DIR / ("w6.quick.jsonl" if settings.quick else "w6.jsonl")
     return common.read_jsonl(path)[1]
 
@@ -82,9 +75,9 @@ def run(settings) -> list[dict]:
     from benchmarks import common, peers
     from benchmarks.bench_w1 import W1_SPEC, _add_op
 
+    common.configure_runtime("w6")  # before the device count below starts the backend
     if jax.device_count() < max(DEVICES):
         return _in_subprocess(settings)
-    common.configure_runtime("w6")
     import numpy as np
 
     rng = np.random.default_rng(6)

@@ -26,6 +26,7 @@ import os
 import platform
 import resource
 import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -53,7 +54,8 @@ def xla_threads_setting(workload: Optional[str] = None) -> str:
     'default' for XLA's own pool of one thread per usable CPU)."""
     value = os.environ.get(XLA_THREADS_ENV) or WORKLOAD_XLA_THREADS.get(workload, "1")
     if value != "default" and (not value.isdigit() or int(value) < 1):
-        raise SystemExit(f"{XLA_THREADS_ENV}={value!r}: expected a positive integer or 'default'")
+        raise ValueError(f"XLA:CPU pool threads: expected a positive integer or 'default', got {value!r} "
+                         f"(--xla-threads / ${XLA_THREADS_ENV})")
     return value
 
 
@@ -776,6 +778,18 @@ def workload_parser(doc: str, *, capacity: bool = True) -> argparse.ArgumentPars
         parser.add_argument("--capacity", type=int)
     parser.add_argument("--rounds", type=int)
     return parser
+
+
+def run_workload_module(workload: str, args: list[str], why: str, env: Optional[dict] = None) -> None:
+    """Run ``python -m benchmarks.bench_<workload> ARGS`` in a subprocess (a setting fixed per process differs:
+    device count, XLA:CPU pool), importing this checkout's ``benchmarks`` and writing its records into
+    ``RESULTS_DIR``, where the caller reads them back. ``env``: variables to set on top of this process's."""
+    root = str(Path(__file__).resolve().parent.parent)
+    child_env = {**os.environ, **(env or {}), RESULTS_ENV: str(RESULTS_DIR),
+                 "PYTHONPATH": root + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else "")}
+    cmd = [sys.executable, "-m", f"benchmarks.bench_{workload}", *args]
+    log_line(f"{workload}: {why}; running `{' '.join(cmd[1:])}` in a subprocess")
+    subprocess.run(cmd, env=child_env, check=True)
 
 
 def log_line(msg: str) -> None:

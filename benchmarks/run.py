@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 import time
 import traceback
@@ -51,21 +50,16 @@ def w12_goals():
 
 
 def _in_subprocess(name: str, threads: str, args) -> None:
-    """Run workload ``name`` as ``python -m benchmarks.bench_<name>`` with another XLA:CPU pool (fixed per process),
-    writing its records where this run writes its own."""
+    """Run workload ``name`` with another XLA:CPU pool (fixed per process), its records where this run writes."""
     from benchmarks import common
 
-    cmd = [sys.executable, "-m", f"benchmarks.bench_{name}"] + (["--quick"] if args.quick else [])
+    argv = ["--quick"] if args.quick else []
     if args.capacity is not None and name != "w4":  # W4's size is the rollout
-        cmd += ["--capacity", str(args.capacity)]
+        argv += ["--capacity", str(args.capacity)]
     if args.rounds is not None:
-        cmd += ["--rounds", str(args.rounds)]
-    root = str(Path(__file__).resolve().parent.parent)
-    env = {**os.environ, common.XLA_THREADS_ENV: threads, common.RESULTS_ENV: str(common.RESULTS_DIR),
-           "PYTHONPATH": root + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else "")}
-    common.log_line(f"{name}: XLA:CPU pool '{threads}' differs from this process's; running `{' '.join(cmd[1:])}` "
-                    f"in a subprocess")
-    subprocess.run(cmd, env=env, check=True)
+        argv += ["--rounds", str(args.rounds)]
+    common.run_workload_module(name, argv, f"XLA:CPU pool '{threads}' differs from this process's",
+                               {common.XLA_THREADS_ENV: threads})
 
 
 def main(argv=None) -> int:
@@ -104,11 +98,13 @@ def main(argv=None) -> int:
     from benchmarks import bench_w1, bench_w2, bench_w3, bench_w4, bench_w5, bench_w6, common
 
     if args.xla_threads is not None:
-        if args.xla_threads != "default" and (not args.xla_threads.isdigit() or int(args.xla_threads) < 1):
-            parser.error(f"--xla-threads: expected a positive integer or 'default', got {args.xla_threads!r}")
         os.environ[common.XLA_THREADS_ENV] = args.xla_threads
     # the pool is fixed for the process: the first workload's setting here, the others' in subprocesses
-    here = common.xla_threads_setting(only[0])
+    try:
+        threads = {name: common.xla_threads_setting(name) for name in only}
+    except ValueError as exc:
+        parser.error(str(exc))
+    here = threads[only[0]]
     common.configure_runtime(only[0])
     if args.results:
         common.RESULTS_DIR = Path(args.results)
@@ -126,8 +122,8 @@ def main(argv=None) -> int:
     start = time.perf_counter()
     for name in only:
         try:
-            if common.xla_threads_setting(name) != here:
-                _in_subprocess(name, common.xla_threads_setting(name), args)
+            if threads[name] != here:
+                _in_subprocess(name, threads[name], args)
             else:
                 runners[name]()
             if name in ("w1", "w2"):
