@@ -608,8 +608,11 @@ def _restore_same_layout(directory, chain, plane, targets, saved_streams: int, w
     for step, meta in chain:
         held = set(meta["arrays"]) - {_DELTA} | ({_ROWS} if meta["kind"] == "incremental" else set())
         if held != set(targets):
-            raise CheckpointError(f"{where}: step {step} holds state leaves {sorted(held)}, the plane has "
-                                  f"{sorted(targets)}: the checkpoint does not match its own metadata")
+            raise CheckpointError(
+                f"{where}: step {step} holds state leaves the plane built from its metadata does not have "
+                f"{sorted(held - set(targets))} and lacks {sorted(set(targets) - held)}: it was written by a version "
+                f"whose {plane.sampler.name} sampler kept other state (e.g. a priority tree for uniform padded "
+                f"sequences, which keep none now; restore it with that version), or its metadata is damaged")
     layout = plane.config.layout
     base_targets = dict(targets if len(chain) == 1 else {_ROWS: targets[_ROWS]})
     base_targets[_ROWS] = _saved_rows_target(first_meta, _ROWS, targets[_ROWS])

@@ -429,6 +429,8 @@ class ExperienceDataPlane:
         status = self._known(need_deliverable=True)
         if status["deliverable"] < sampler.min_items:
             what = {"fifo": "undelivered items", "sequences": "eligible windows"}.get(sampler.name, "stored items")
+            if sampler.window > 1 and sampler.deliverable is None:  # uniform padded windows: counted in items
+                what = f"stored items ({sampler.window} steps of each of {sampler.streams} streams)"
             return NotEnoughDataError, (
                 f"sample(): the {sampler.name} sampler needs at least {sampler.min_items} {what} for a batch of "
                 f"{self.batch_size}, the plane has {status['deliverable']}; ingest more first (can_sample() tells "

@@ -442,6 +442,11 @@ def sequences(batch_size: int, length: int, streams: int, *, burn_in: int = 0, p
     ``mask`` marks the steps that belong to the window's first episode (what n-step returns need: see
     ``transforms.n_step``). Selection is uniform over eligible windows, or prioritized when ``alpha`` is given
     (P(window) ∝ (p + eps)^alpha, importance weights with ``beta``; priorities attach to the window's first step).
+
+    Uniform padded windows of every step (``pad=True``, ``period=1``, no ``alpha``, no ``max_times_sampled``) keep no
+    index: every stored step with ``window - 1`` stored steps after it starts one, so a draw is arithmetic on the
+    ring's cursor (see ``_uniform_windows``). Under a staleness bound their stale steps are masked at delivery, as
+    with ``uniform`` items; the indexed variants stop drawing stale windows instead.
     """
     _check_batch_size(batch_size, "sequences")
     window = burn_in + length
@@ -453,6 +458,17 @@ def sequences(batch_size: int, length: int, streams: int, *, burn_in: int = 0, p
         raise ConfigError(f"samplers.sequences(): end_keys must name the boolean episode-end leaves, got {end_keys!r}")
     weighted = alpha is not None
     exponent = 1.0 if alpha is None else alpha
+    params = _params(batch_size=batch_size, length=length, streams=streams, burn_in=burn_in, period=period, pad=pad,
+                     end_keys=list(end_keys), alpha=alpha, beta=beta, eps=eps, max_times_sampled=max_times_sampled)
+
+    def mask(data):
+        """True for the steps of the window's first episode: every step up to and including the first end."""
+        ends = functools.reduce(jnp.logical_or, [_leaf(data, key) for key in end_keys])
+        before = jnp.cumsum(ends.astype(jnp.int32), axis=1) - ends.astype(jnp.int32)
+        return before == 0
+
+    if pad and not weighted and max_times_sampled is None and period == 1:
+        return _uniform_windows(batch_size, window, streams)._replace(params=params, needs=tuple(end_keys), mask=mask)
 
     def on_insert(state: PriorityState, view: InsertView):
         stride = streams // view.num_shards
@@ -491,19 +507,36 @@ def sequences(batch_size: int, length: int, streams: int, *, burn_in: int = 0, p
         levels = sumtree.set_run(state.levels, first, values, valid, view.shard_capacity)
         return replace(state, levels=levels)
 
-    def mask(data):
-        """True for the steps of the window's first episode: every step up to and including the first end."""
-        ends = functools.reduce(jnp.logical_or, [_leaf(data, key) for key in end_keys])
-        before = jnp.cumsum(ends.astype(jnp.int32), axis=1) - ends.astype(jnp.int32)
-        return before == 0
-
     base = _priority_sampler("sequences", batch_size, exponent, beta, eps, on_insert, max_times_sampled)
-    params = _params(batch_size=batch_size, length=length, streams=streams, burn_in=burn_in, period=period, pad=pad,
-                     end_keys=list(end_keys), alpha=alpha, beta=beta, eps=eps, max_times_sampled=max_times_sampled)
     return base._replace(params=params, window=window, time_axis=True, streams=streams, needs=tuple(end_keys),
                          mask=mask if pad else None,
                          weigh=base.weigh if weighted else None, update=base.update if weighted else None,
                          deliverable=_has_mass)
+
+
+def _uniform_windows(batch_size: int, window: int, streams: int) -> Sampler:
+    """Uniform over every window of ``window`` consecutive stored steps, without an index.
+
+    Ingest takes whole steps of every stream and deals them evenly, so each shard holds ``n = size / S`` items,
+    ``n / stride`` steps of each of its ``stride = streams / S`` streams, and its cursor sits on a step boundary.
+    In ring order from the oldest slot (0 before the first wrap, the cursor after), the i-th item is step ``i //
+    stride`` of stream ``i % stride``, and its window's steps are ``stride`` slots apart, so the starts are exactly
+    the oldest ``n - (window - 1) * stride`` items: a draw is a uniform rank among them. The priority tree this
+    replaces cost every ingest two tree windows per level, and every draw a descent.
+    """
+
+    def sample(state: RandomState, view: ShardView):
+        starts = view.size // view.num_shards - (window - 1) * (streams // view.num_shards)
+        rank = random_below(random_bits(state.key, state.counter, batch_size), starts * view.num_shards)
+        owner, local = rank_to_slot(rank, view.num_shards)
+        oldest = jnp.where(view.laps > 0, view.cursor, 0)
+        return RandomState(state.key, state.counter + 1), Selection((oldest + local) % view.shard_capacity, owner, None)
+
+    # a first window needs `window` steps of every stream: with equal steps per stream, that many stored items
+    return Sampler(name="sequences", batch_size=batch_size, min_items=window * streams,
+                   init=lambda capacity, num_shards, seed: _random_state(seed),
+                   on_insert=lambda state, view: state, sample=sample,
+                   window=window, time_axis=True, streams=streams)
 
 
 def _leaf(tree, name: str):

@@ -159,10 +159,12 @@ def test_ingest_of_a_full_ring_never_joins_overwritten_steps(mesh, schedule):
             check_windows(plane.sample(), traj, done, plane, pad=False)
 
 
-@pytest.mark.parametrize("pad, period, burn_in", [(False, 1, 0), (True, 3, 1)], ids=["nopad", "pad_period3_burnin1"])
+@pytest.mark.parametrize("pad, period, burn_in", [(False, 1, 0), (True, 3, 1), (True, 1, 1)],
+                         ids=["nopad", "pad_period3_burnin1", "pad_burnin1"])
 def test_uniform_over_eligible_windows(mesh, pad, period, burn_in):
     """A small ring (8 steps per env, windows of 3): every eligible window is drawn and the draws are uniform over
-    them (chi-square over window starts, 200 batches of 32)."""
+    them (chi-square over window starts, 200 batches of 32). ``pad_burnin1`` is the variant without an index (draws
+    are arithmetic on the cursor), after the ring has wrapped."""
     capacity, length = STREAMS * 8, 3 - burn_in
     plane = make_plane(mesh, capacity, samplers.sequences(32, length, STREAMS, burn_in=burn_in, pad=pad,
                                                           period=period), seed=5)
@@ -292,6 +294,21 @@ def test_no_window_yet_raises_not_enough_data(mesh):
     ingest_steps(plane, traj, 2, 3)
     assert plane.can_sample()
     env, t0 = check_windows(plane.sample(), traj, 3, plane, pad=False)
+    assert (t0 == 0).all()
+
+
+def test_padded_windows_need_a_window_of_every_stream(mesh):
+    """The index-free sampler (pad=True, uniform) counts items: it refuses until every stream holds a whole window,
+    says so in items, and then draws only windows of stored steps; its state holds no tree."""
+    plane = make_plane(mesh, STREAMS * 8, samplers.sequences(8, 3, STREAMS, pad=True))
+    assert not hasattr(plane.state.sampler, "levels")
+    traj = trajectories(seed=0, steps=6, p_terminated=0.3, p_truncated=0.0)
+    ingest_steps(plane, traj, 0, 2)
+    assert not plane.can_sample()
+    with pytest.raises(NotEnoughDataError, match=rf"at least {3 * STREAMS} stored items .*has {2 * STREAMS}"):
+        plane.sample()
+    ingest_steps(plane, traj, 2, 3)
+    env, t0 = check_windows(plane.sample(), traj, 3, plane, pad=True)
     assert (t0 == 0).all()
 
 
