@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-from conduit_jax import limits, metrics, replay, samplers, storage
+from conduit_jax import limits, metrics, replay, runtime, samplers, storage
 from conduit_jax import schedule as schedule_lib
 from conduit_jax.errors import (CapacityError, ConfigError, NotEnoughDataError, PriorityError, RateLimitedError,
                                 SpecError)
@@ -132,11 +132,13 @@ class ExperienceDataPlane:
 
         sample_step = self._reporting(functools.partial(replay.sample, config), sample_reports)
         update_sample_step = self._reporting(update_sample, sample_reports)
-        self._sample_kernel = _reading_storage(sample_step, shardings, rest, 1 + sample_reports)
-        self._update_sample_kernel = _reading_storage(update_sample_step, shardings, rest, 1 + sample_reports)
+        deliver = functools.partial(_reading_storage,
+                                    compiler_options=runtime.delivery_compiler_options(config.mesh.devices.flat))
+        self._sample_kernel = deliver(sample_step, shardings, rest, 1 + sample_reports)
+        self._update_sample_kernel = deliver(update_sample_step, shardings, rest, 1 + sample_reports)
         # the same two with a finished Delivery donated: XLA writes the new batch into its buffers (sample(recycle=))
         self._recycling_kernels = {
-            pending: _reading_storage(step, shardings, rest, 1 + sample_reports, recycles=True)
+            pending: deliver(step, shardings, rest, 1 + sample_reports, recycles=True)
             for pending, step in ((False, sample_step), (True, update_sample_step))}
         self._delivery_layout = None  # (treedef, [(shape, dtype, sharding)]) of the batches these kernels deliver
         self._version_kernel = _reading_storage(self._reporting(lambda state, version: (
@@ -684,13 +686,15 @@ class _CompileScope:
         return False
 
 
-def _reading_storage(step, shardings, rest_shardings, num_outputs: int, recycles: bool = False):
+def _reading_storage(step, shardings, rest_shardings, num_outputs: int, recycles: bool = False,
+                     compiler_options: Optional[dict] = None):
     """Jit ``step(state, *args) -> (state', *outputs)`` for steps that only read storage: the storage goes in as its
     own (not donated) argument and does not come out, the rest of the state is donated and keeps its placement.
     Returning the unchanged storage from a jitted function would make XLA copy the whole buffer on every call.
 
     ``recycles``: the kernel takes one more donated argument after the state, a finished output of the same shapes,
-    which it never reads: XLA writes the outputs into its buffers (``keep_unused``, or jit would drop it)."""
+    which it never reads: XLA writes the outputs into its buffers (``keep_unused``, or jit would drop it).
+    ``compiler_options``: XLA options of this kernel (see ``runtime.delivery_compiler_options``)."""
 
     def kernel(storage_state, rest, *args):
         state = _computable(_replace(rest, storage=storage_state), shardings)
@@ -698,7 +702,7 @@ def _reading_storage(step, shardings, rest_shardings, num_outputs: int, recycles
         return (_replace(new_state, storage=None), *outputs)
 
     return jax.jit(kernel, donate_argnums=(1, 2) if recycles else (1,), keep_unused=recycles,
-                   out_shardings=(rest_shardings,) + (None,) * num_outputs)
+                   out_shardings=(rest_shardings,) + (None,) * num_outputs, compiler_options=compiler_options)
 
 
 def _recycle_error(where: str, recycle: Delivery, index: int, shape, dtype, sharding) -> SpecError:

@@ -85,3 +85,20 @@ def _restore_affinity(cpus: set[int]) -> None:
             os.sched_setaffinity(int(tid), cpus)
         except (OSError, ValueError):  # a thread that ended meanwhile
             pass
+
+
+
+# XLA:CPU compiles with LLVM at its default level (2), which fully unrolls the copy loop of a leaf of up to ~64 4-byte
+# elements per item into scalar loads and stores (~13 GB/s here, against 35-40 GB/s for rows of 84 words and more,
+# whose loop is vectorised). At level 1 the loop stays a loop and is vectorised: a gather of 4,096 rows of 64 words
+# took 69 us instead of 184. Measured on the plane's kernels (one process, interleaved, 2026-12-01): a W4 minibatch
+# of 4,096 took 256 us instead of 319 and a W5 batch of 64 windows 195 us instead of 227, while W1's ingest took 188
+# us instead of 150 (its scatter loses more than it gains). So only the delivery kernels get it.
+CPU_DELIVERY_COMPILER_OPTIONS = {"xla_backend_optimization_level": 1}
+
+
+def delivery_compiler_options(devices) -> dict:
+    """The XLA compiler options of the plane's delivery kernels (sample, with or without pending priority updates,
+    into fresh or recycled buffers) on ``devices``: ``CPU_DELIVERY_COMPILER_OPTIONS`` where every device is a CPU,
+    else none. A learner's own jit around ``sample_fn`` compiles with the learner's options."""
+    return dict(CPU_DELIVERY_COMPILER_OPTIONS) if {d.platform for d in devices} == {"cpu"} else {}

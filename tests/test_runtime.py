@@ -74,3 +74,20 @@ def test_refused_once_a_backend_runs_and_nothing_changes():
 def test_bad_thread_count_names_the_argument(bad):
     with pytest.raises(ConfigError, match=r"intra_op_threads must be an int >= 1 or None, got"):
         runtime.configure_cpu(bad)
+
+
+class _Device:
+    def __init__(self, platform):
+        self.platform = platform
+
+
+def test_delivery_kernels_get_cpu_options_on_cpu_only():
+    cpu = runtime.delivery_compiler_options(jax.devices("cpu"))
+    assert cpu == runtime.CPU_DELIVERY_COMPILER_OPTIONS and cpu is not runtime.CPU_DELIVERY_COMPILER_OPTIONS
+    assert runtime.delivery_compiler_options([_Device("gpu")]) == {}
+    assert runtime.delivery_compiler_options([_Device("cpu"), _Device("gpu")]) == {}
+    # XLA knows the option (an unknown name fails the compile) and the result is the same as without it
+    gather = lambda rows, at: rows[at]  # noqa: E731
+    rows, at = jax.numpy.arange(64 * 70, dtype=jax.numpy.uint32).reshape(64, 70), jax.numpy.arange(32) * 2
+    with_options = jax.jit(gather, compiler_options=cpu)(rows, at)
+    assert (with_options == jax.jit(gather)(rows, at)).all()
