@@ -90,7 +90,6 @@ def _restore_affinity(cpus: set[int]) -> None:
             pass
 
 
-
 # XLA:CPU compiles with LLVM at its default level (2), which fully unrolls the copy loop of a leaf of up to ~64 4-byte
 # elements per item into scalar loads and stores (~13 GB/s here, against 35-40 GB/s for rows of 84 words and more,
 # whose loop is vectorised). At level 1 the loop stays a loop and is vectorised: a gather of 4,096 rows of 64 words

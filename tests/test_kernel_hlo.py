@@ -55,9 +55,9 @@ def test_no_kernel_copies_the_ring_or_a_tree_level(sampler):
     lowered = {"ingest": plane._ingest_kernel(1024, True).lower(state, block, np.int32(1000)),
                "sample": plane._sample_kernel.lower(state.storage, rest)}
     if plane.sampler.update is not None:
-        update = (np.zeros((32, 2), np.int32), np.ones((32,), np.float32), np.ones((32,), bool))
-        lowered["update"] = plane._update_kernel.lower(state.storage, rest, *update)
-        lowered["update+sample"] = plane._update_sample_kernel.lower(state.storage, rest, *update)
+        update = np.zeros((32, 4), np.int32)  # 32 packed updates (id row, generation, priority bits, valid)
+        lowered["update"] = plane._update_kernel.lower(state.storage, rest, update)
+        lowered["update+sample"] = plane._update_sample_kernel.lower(state.storage, rest, update)
     for name, kernel in lowered.items():
         assert large_copies(kernel.compile().as_text()) == [], name
 
