@@ -468,7 +468,7 @@ def sequences(batch_size: int, length: int, streams: int, *, burn_in: int = 0, p
         return before == 0
 
     if pad and not weighted and max_times_sampled is None and period == 1:
-        return _uniform_windows(batch_size, window, streams)._replace(params=params, needs=tuple(end_keys), mask=mask)
+        return _uniform_windows(batch_size, window, streams, tuple(end_keys), mask, params)
 
     def on_insert(state: PriorityState, view: InsertView):
         stride = streams // view.num_shards
@@ -514,7 +514,7 @@ def sequences(batch_size: int, length: int, streams: int, *, burn_in: int = 0, p
                          deliverable=_has_mass)
 
 
-def _uniform_windows(batch_size: int, window: int, streams: int) -> Sampler:
+def _uniform_windows(batch_size: int, window: int, streams: int, needs: tuple[str, ...], mask, params) -> Sampler:
     """Uniform over every window of ``window`` consecutive stored steps, without an index.
 
     Ingest takes whole steps of every stream and deals them evenly, so each shard holds ``n = size / S`` items,
@@ -535,8 +535,8 @@ def _uniform_windows(batch_size: int, window: int, streams: int) -> Sampler:
     # a first window needs `window` steps of every stream: with equal steps per stream, that many stored items
     return Sampler(name="sequences", batch_size=batch_size, min_items=window * streams,
                    init=lambda capacity, num_shards, seed: _random_state(seed),
-                   on_insert=lambda state, view: state, sample=sample,
-                   window=window, time_axis=True, streams=streams)
+                   on_insert=lambda state, view: state, sample=sample, params=params,
+                   window=window, time_axis=True, streams=streams, needs=needs, mask=mask)
 
 
 def _leaf(tree, name: str):
