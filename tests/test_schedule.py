@@ -19,6 +19,7 @@ import pytest
 
 from conduit_jax import (ExperienceDataPlane, ExperienceSpec, NotEnoughDataError, RateLimitedError, default_mesh,
                          limits, samplers)
+from conduit_jax import metrics
 from conduit_jax import schedule as schedule_lib
 
 POLICIES = {
@@ -217,62 +218,70 @@ def test_fifo_delivers_each_item_once_under_prefetch(policy, devices):
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# the exposed latency the policies are for (timing: generous margins, learner simulated by sleeping)
+# what hides the latency (the mechanism; the exposed latency itself is measured by experiments/scheduling.py, not
+# asserted here: a shared 2-core host stalls timing assertions)
 # ------------------------------------------------------------------------------------------------------------------
-def _exposed_us(policy, limiter=None, learner_s=0.004, steps=40):
+def _ready(tree) -> bool:
+    import jax
+
+    return all(leaf.is_ready() for leaf in jax.tree_util.tree_leaves(tree))
+
+
+@pytest.mark.parametrize("limited", [False, True])
+def test_overlap_computes_the_next_batch_during_the_learner_step(limited):
+    """deliver() returns with the next batch dispatched; it computes while the learner runs, nobody calling the
+    plane, and the next deliver() hands over that very batch. With a sample-to-insert limiter that never refuses here,
+    prefetch still runs."""
     spec = ExperienceSpec.from_example({"x": np.zeros(16, np.float32)})
-    plane = ExperienceDataPlane(spec, 32768, samplers.prioritized(1024), schedule=policy, mesh=default_mesh(1),
-                                **({} if limiter is None else {"limiter": limiter}))
-    for _ in range(8):
-        plane.ingest({"x": np.random.default_rng(0).random((4096, 16), np.float32)})
-    for _ in range(steps):
+    extra = {"limiter": limits.sample_to_insert_ratio(1.0, 1, 1e7)} if limited else {}
+    plane = ExperienceDataPlane(spec, 4096, samplers.prioritized(256), schedule=schedule_lib.overlap(2),
+                                mesh=default_mesh(1), **extra)
+    plane.ingest({"x": np.random.default_rng(0).random((4096, 16), np.float32)})
+    delivery = plane.deliver()
+    for _ in range(5):
+        assert len(plane._in_flight) == 2  # the depth: dispatched before deliver() returned
+        queued = plane._in_flight[0]
+        deadline = time.monotonic() + 30
+        while not _ready(queued):  # the learner's step: the batch computes without the plane being called
+            assert time.monotonic() < deadline, "a prefetched batch did not compute without deliver()"
+            time.sleep(0.001)
+        plane.update_priorities(delivery.ids, np.ones(256))
         delivery = plane.deliver()
-        time.sleep(learner_s)  # the learner's step: the device is free to compute the next batch meanwhile
-        plane.update_priorities(delivery.ids, np.ones(1024))
-    return plane.stats()["stages"]["exposed"]["median_us"]
+        assert delivery is queued
 
 
-def _overlap_halves_exposed(limiter=lambda: None, trials: int = 3):
-    """(sync, overlap) exposed medians of the first of ``trials`` paired runs where overlap exposes less than half of
-    sync's latency, else of the last: a shared 2-core host can stall one run (seen once in a full-suite run: 739 us
-    against 1,339 us, where runs alone give well under half), and each trial measures both policies afresh."""
-    for _ in range(trials):
-        sync = _exposed_us(schedule_lib.sync(), limiter())
-        overlap = _exposed_us(schedule_lib.overlap(2), limiter())
-        if overlap < 0.5 * sync:
-            break
-    return sync, overlap
+def test_sync_computes_the_batch_inside_deliver():
+    spec = ExperienceSpec.from_example({"x": np.zeros(16, np.float32)})
+    plane = ExperienceDataPlane(spec, 4096, samplers.prioritized(256), schedule=schedule_lib.sync(),
+                                mesh=default_mesh(1))
+    plane.ingest({"x": np.random.default_rng(0).random((4096, 16), np.float32)})
+    for _ in range(3):
+        assert _ready(plane.deliver()) and not plane._in_flight
 
 
-def test_overlap_hides_the_sample_behind_a_long_learner_step():
-    sync, overlap = _overlap_halves_exposed()
-    assert overlap < 0.5 * sync, (sync, overlap)
-
-
-def test_overlap_hides_the_sample_with_a_sample_to_insert_limiter():
-    sync, overlap = _overlap_halves_exposed(lambda: limits.sample_to_insert_ratio(1.0, 1, 1e7))  # never refuses here
-    assert overlap < 0.5 * sync, (sync, overlap)
-
-
-def test_adaptive_bookkeeping_does_not_grow_with_the_run():
+def test_adaptive_bookkeeping_does_not_read_the_history(monkeypatch):
+    """The adaptive depth follows exponential averages kept by deliver(); the timeline (bounded) is only read when
+    someone asks for stats or a trace, so a long run's history costs deliver() nothing."""
     spec = ExperienceSpec.from_example({"x": np.int32(0)})
+    plane = ExperienceDataPlane(spec, 256, samplers.uniform(8), schedule=schedule_lib.adaptive(2, 0),
+                                mesh=default_mesh(1))
+    plane.timeline = metrics.Timeline(max_spans=1000)
+    plane.ingest({"x": np.arange(256, dtype=np.int32)})
+    for stage in ("ingest", "sample", "update", "exposed", "learner"):
+        for _ in range(5000):  # a long run's history
+            plane.timeline.record(stage, 0.0, 1e-4)
+    assert len(plane.timeline.chrome_trace()["traceEvents"]) == 1000
 
-    def median_deliver_us(policy, prefill):
-        plane = ExperienceDataPlane(spec, 256, samplers.uniform(8), schedule=policy, mesh=default_mesh(1))
-        plane.ingest({"x": np.arange(256, dtype=np.int32)})
-        for stage in ("ingest", "sample", "update", "exposed", "learner"):
-            for _ in range(prefill):  # a long run's history
-                plane.timeline.record(stage, 0.0, 1e-4)
-        times = []
-        for _ in range(40):
-            t0 = time.perf_counter()
-            plane.deliver()
-            times.append(time.perf_counter() - t0)
-        return np.median(times) * 1e6
+    def refuse(*args, **kwargs):
+        raise AssertionError("deliver() read the timeline's history")
 
-    overlap = median_deliver_us(schedule_lib.overlap(2), 10_000)
-    adaptive = median_deliver_us(schedule_lib.adaptive(2, 0), 10_000)
-    assert adaptive < 2 * overlap + 200, (overlap, adaptive)
+    monkeypatch.setattr(plane.timeline, "summary", refuse)
+    monkeypatch.setattr(plane.timeline, "chrome_trace", refuse)
+    depths = set()
+    for _ in range(40):
+        plane.deliver()
+        depths.add(plane._depth)
+    assert depths <= {0, 1, 2}
 
 
 def test_update_priorities_does_not_wait_for_the_learner():
