@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import json
 import os
 import tempfile
@@ -54,7 +55,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from conduit_jax.errors import ConduitError, ConfigError, NotEnoughDataError, PriorityError
-from conduit_jax.plane import checked_priorities
+from conduit_jax.plane import _reading_storage, checked_priorities
 from conduit_jax.spec import ExperienceSpec
 
 SUPPORTED_SAMPLERS = ("uniform", "prioritized")
@@ -200,7 +201,7 @@ class ShardServer:
         import jax.numpy as jnp
         from jax import lax
 
-        from conduit_jax import replay
+        from conduit_jax import replay, runtime
 
         plane = self.plane
         config = plane.config
@@ -221,7 +222,10 @@ class ShardServer:
             return mass, size, ignored
 
         self._status_kernel = jax.jit(status)
-        rest_shardings = dataclasses.replace(replay.shardings(config), storage=None)
+        shardings = plane._shardings
+        deliver = functools.partial(_reading_storage, shardings=shardings,
+                                    rest_shardings=dataclasses.replace(shardings, storage=None), num_outputs=3,
+                                    compiler_options=runtime.delivery_compiler_options(config.mesh.devices.flat))
 
         def make(k: int):
             from conduit_jax import samplers
@@ -233,8 +237,7 @@ class ShardServer:
             resized = samplers.from_params(plane.sampler.name, params)
             cfg = config._replace(sampler=resized)
 
-            def kernel(storage_state, rest):
-                state = dataclasses.replace(rest, storage=storage_state)
+            def step(state):
                 new_state, delivery = replay.sample(cfg, state)
                 columns = [cfg.layout.pack(delivery.data), lax.bitcast_convert_type(delivery.ids, jnp.uint32)]
                 if self.priority:
@@ -244,9 +247,9 @@ class ShardServer:
                     leaf = leaves[(row // shard_capacity) * per_shard + row % shard_capacity]
                     columns.append(lax.bitcast_convert_type(leaf, jnp.uint32)[:, None])
                 mass, size = mass_and_size(state)
-                return dataclasses.replace(new_state, storage=None), jnp.concatenate(columns, axis=1), mass, size
+                return new_state, jnp.concatenate(columns, axis=1), mass, size
 
-            return jax.jit(kernel, donate_argnums=(1,), out_shardings=(rest_shardings, None, None, None))
+            return deliver(step)
 
         self._make_kernel = make
 
