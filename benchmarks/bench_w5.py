@@ -12,8 +12,11 @@ Contenders:
   * ``flashbax-trajectory``: ``make_trajectory_buffer(add_batch_size=16, sample_sequence_length=32, period=1)``;
     chunks transposed to [envs, steps] outside the timing;
   * ``numpy-windows``: per-leaf rings laid out [envs, steps, ...], one fancy-index gather of [64, 32] (env, step)
-    pairs per leaf.
-TorchRL's ``SliceSampler`` needs trajectory ids stored with the data; it is not part of this workload.
+    pairs per leaf;
+  * ``torchrl-slices``: ``TensorDictReplayBuffer(LazyTensorStorage(capacity, ndim=2), SliceSampler(slice_len=32,
+    end_key="episode_end"))``, chunks as [envs, steps] TensorDicts (outside the timing); ``episode_end`` is a never-set
+    bool stored with the data (1 B per step), so windows may cross an episode end as the others' do.
+cpprb has no window sampler; it is not part of this workload.
 
     python -m benchmarks.bench_w5 [--quick] [--capacity N] [--rounds R]
 """
@@ -73,6 +76,7 @@ def entries(settings: common.Settings) -> list[common.Entry]:
                                                                      chunk=settings.chunk)),
         common.Entry("numpy-windows", lambda: peers.NumpySequences(spec, cap, BATCH, LENGTH, STREAMS)),
         common.Entry("flashbax-trajectory", lambda: peers.FlashbaxTrajectory(spec, cap, BATCH, LENGTH, STREAMS)),
+        common.Entry("torchrl-slices", lambda: peers.TorchRLSequences(spec, cap, BATCH, LENGTH, STREAMS)),
     ]
 
 
@@ -81,6 +85,8 @@ GOALS = [
                 peer="numpy-windows"),
     common.Goal("W5 sample 64 x 32 steps <= 1.0x Flashbax trajectory buffer", "ratio", f"sample_b{BATCH}x{LENGTH}",
                 1.0, peer="flashbax-trajectory"),
+    common.Goal("W5 sample 64 x 32 steps <= 1.0x TorchRL slice sampler", "ratio", f"sample_b{BATCH}x{LENGTH}", 1.0,
+                peer="torchrl-slices"),
     common.Goal("W5 add <= 1.0x NumPy time", "ratio", f"add_chunk{CHUNK_STEPS * STREAMS}", 1.0,
                 peer="numpy-windows"),
     common.Goal("W5 memory <= 1.05x raw", "memory", None, 1.05),
@@ -100,11 +106,11 @@ def run(settings: common.Settings) -> list[dict]:
                       extra={"batch_size": BATCH, "length": LENGTH, "streams": STREAMS}),
     ]
     notes = {
-        "windows": "uniform over stored windows; all three may cross an episode end (Conduit pad=True also delivers "
-                   "the first-episode mask)",
-        "layout": f"time-major chunks (item t*{STREAMS}+e); Flashbax and NumPy store [envs, steps] and get the chunk "
-                  f"transposed outside the timing",
-        "torchrl": "not run: SliceSampler needs trajectory ids stored with the data (not in this item spec)",
+        "windows": "uniform over stored windows; all four may cross an episode end (Conduit pad=True also delivers "
+                   "the first-episode mask; TorchRL's slice sampler is given a never-set end key, stored with the data)",
+        "layout": f"time-major chunks (item t*{STREAMS}+e); Flashbax, NumPy and TorchRL store per env and get the "
+                  f"chunk transposed to [envs, steps] outside the timing",
+        "cpprb": "not run: cpprb has no window (sequence) sampler",
     }
     return common.run_workload(
         "w5", f"sequences of {LENGTH} steps, {STREAMS} envs, capacity {settings.capacity:,} steps, batch {BATCH}",

@@ -1034,6 +1034,53 @@ class FlashbaxTrajectory(Contender):
         return _jit_cache(self._add, self._sample)
 
 
+class TorchRLSequences(Contender):
+    """``TensorDictReplayBuffer(storage=LazyTensorStorage(capacity, ndim=2), sampler=SliceSampler(slice_len=L,
+    end_key="episode_end"), batch_size=B * L)``: the storage is ``[steps, streams]`` and ``extend`` takes ``[streams,
+    steps]`` chunks along time; torch on 1 thread. ``episode_end`` is a bool leaf that is never set, stored with the
+    data (1 B per step): with no episode ends each stream is one trajectory, so the windows may cross an episode end
+    as the other contenders' do, and the slice sampler's uniform draw over trajectories (streams of equal length),
+    then over starts, is uniform over the stored windows. The seam at the write cursor is respected (checked: no
+    drawn window spans it). ``sample`` reshapes the flat ``[B * L]`` slices to ``[B, L, ...]`` (a view)."""
+
+    name = "torchrl-slices"
+
+    def __init__(self, spec: Spec, capacity: int, batch_size: int, length: int, streams: int, seed: int = 0):
+        status = torchrl_status()
+        if not status["torchrl_ok"]:
+            raise Unavailable(status["torchrl"])
+        torch = import_torch()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            from tensordict import TensorDict
+            from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer
+            from torchrl.data.replay_buffers import SliceSampler
+        torch.manual_seed(seed)
+        self._torch, self._TensorDict = torch, TensorDict
+        self.streams, self.batch_size, self.length = streams, batch_size, length
+        self.rb = TensorDictReplayBuffer(storage=LazyTensorStorage(capacity, ndim=2),
+                                         sampler=SliceSampler(slice_len=length, end_key="episode_end"),
+                                         batch_size=batch_size * length)
+
+    def prepare(self, batch):
+        # outside the timing, as for the peers that store [streams, steps]: transposed, then zero-copy tensors
+        per_stream = time_major_to_streams(batch, self.streams)
+        shape = next(iter(per_stream.values())).shape[:2]
+        leaves = {k: self._torch.from_numpy(v) for k, v in per_stream.items()}
+        leaves["episode_end"] = self._torch.zeros(shape, dtype=self._torch.bool)
+        return self._TensorDict(leaves, batch_size=list(shape))
+
+    def add(self, batch) -> None:
+        self.rb.extend(batch)
+
+    def sample(self, batch_size: int) -> Sampled:
+        assert batch_size == self.batch_size
+        return Sampled(self.rb.sample().reshape(self.batch_size, self.length), None, None)
+
+    def state_bytes(self) -> Optional[int]:
+        return TorchRLUniform.state_bytes(self)
+
+
 class ConduitSequences(Conduit):
     """``ExperienceDataPlane(spec, capacity, samplers.sequences(B, L, streams, pad=pad), mesh=default_mesh(1))``;
     time-major chunks through ``ingest``, ``sample()`` -> data [B, L, ...] (and ``mask`` [B, L] with ``pad``)."""
