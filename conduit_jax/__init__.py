@@ -4,8 +4,8 @@ The public API; every name here is re-exported from the module that defines it.
 """
 
 from conduit_jax import limits, metrics, runtime, samplers, schedule, transforms
-from conduit_jax.errors import (CapacityError, ConduitError, ConfigError, NotEnoughDataError, PriorityError,
-                                RateLimitedError, SpecError)
+from conduit_jax.errors import (CapacityError, ConduitError, ConduitWarning, ConfigError, NotEnoughDataError,
+                                PriorityError, RateLimitedError, SpecError)
 from conduit_jax.checkpoint import CheckpointError
 from conduit_jax.plane import ExperienceDataPlane, default_mesh
 from conduit_jax.replay import Delivery
@@ -14,7 +14,7 @@ from conduit_jax.spec import ExperienceSpec
 __version__ = "0.1.0"
 
 __all__ = [
-    "CapacityError", "CheckpointError", "ConduitError", "ConfigError", "Delivery", "ExperienceDataPlane", "ExperienceSpec",
+    "CapacityError", "CheckpointError", "ConduitError", "ConduitWarning", "ConfigError", "Delivery", "ExperienceDataPlane", "ExperienceSpec",
     "NotEnoughDataError", "PriorityError", "RateLimitedError", "SpecError", "default_mesh", "limits", "samplers",
     "metrics", "runtime", "schedule", "transforms",
 ]

@@ -13,6 +13,7 @@ import collections
 import functools
 import threading
 import time
+import warnings
 from typing import Any, Optional
 
 import jax
@@ -23,8 +24,8 @@ from jax.sharding import AxisType, Mesh
 
 from conduit_jax import limits, metrics, replay, runtime, samplers, storage
 from conduit_jax import schedule as schedule_lib
-from conduit_jax.errors import (CapacityError, ConfigError, NotEnoughDataError, PriorityError, RateLimitedError,
-                                SpecError)
+from conduit_jax.errors import (CapacityError, ConduitWarning, ConfigError, NotEnoughDataError, PriorityError,
+                                RateLimitedError, SpecError)
 from conduit_jax._pytree import replace as _replace
 from conduit_jax.limits import LimiterState, Staleness
 from conduit_jax.replay import Delivery, ReplayConfig, ReplayState
@@ -80,6 +81,12 @@ class ExperienceDataPlane:
             raise ConfigError("ExperienceDataPlane(): pass mesh or plan, not both (a plan brings its mesh: "
                               "plan.mesh())")
         self.mesh = plan.mesh() if plan is not None else default_mesh() if mesh is None else mesh
+        if self.schedule.depth and runtime.prefetch_is_synchronous(self.mesh.devices.flat):
+            warnings.warn(f"ExperienceDataPlane(): schedule {self.schedule.name} prefetches, but JAX's CPU async "
+                          f"dispatch is off (jax_cpu_enable_async_dispatch=False; configure_cpu()'s default), so each "
+                          f"prefetched batch is computed inside the deliver() that dispatches it and nothing hides "
+                          f"behind the learner; use configure_cpu(async_dispatch=True) or schedule.sync()",
+                          ConduitWarning, stacklevel=2)
         self.cast = bool(cast)
         config = ReplayConfig(storage.RowLayout.of(self.spec), self.sampler, self.limiter, staleness, self.mesh,
                               tuple(self.mesh.axis_names), capacity if isinstance(capacity, int) else -1)

@@ -15,7 +15,10 @@ fixed cost. Two settings of the CPU client decide much of that cost, and both ar
   calling thread may run on ``intra_op_threads`` CPUs only, then gives every thread of the process its CPUs back: the
   pool keeps its size, nothing stays pinned.
 * **Async dispatch** (``jax_cpu_enable_async_dispatch``): off, each call runs in the calling thread instead of being
-  queued; multi-kernel samplers ran 1.3-1.7x faster in single-stream loops here.
+  queued; multi-kernel samplers ran 1.3-1.7x faster in single-stream loops here. Keep it on
+  (``async_dispatch=True``) for the prefetching schedules (``schedule.overlap``/``deferred``/``adaptive``): with it
+  off a prefetched batch is computed inside the ``deliver()`` that dispatches it, so nothing hides behind the
+  learner's step (the plane warns, ``prefetch_is_synchronous``).
 
 A third setting is per kernel and needs no call: the plane compiles its delivery kernels on CPU at XLA's backend
 optimisation level 1 (``delivery_compiler_options``), where LLVM keeps the copy loop of a narrow leaf vectorised.
@@ -88,6 +91,15 @@ def _restore_affinity(cpus: set[int]) -> None:
             os.sched_setaffinity(int(tid), cpus)
         except (OSError, ValueError):  # a thread that ended meanwhile
             pass
+
+
+def prefetch_is_synchronous(devices) -> bool:
+    """Whether a batch dispatched ahead on ``devices`` is computed in the dispatching call: CPU devices with async
+    dispatch off (``configure_cpu``'s default)."""
+    import jax
+
+    return ({d.platform for d in devices} == {"cpu"}
+            and not jax.config.read("jax_cpu_enable_async_dispatch"))
 
 
 # XLA:CPU compiles with LLVM at its default level (2), which fully unrolls the copy loop of a leaf of up to ~64 4-byte

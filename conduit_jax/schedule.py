@@ -4,7 +4,8 @@ A policy is data; the shell (``ExperienceDataPlane.deliver``) carries it out.
 
 * ``sync()``: the baseline, as RLlib runs it: each ``deliver()`` samples and waits, on the learner's critical path.
 * ``overlap(depth)``: ``deliver()`` hands out a batch dispatched earlier and immediately dispatches the next, so up
-  to ``depth`` batches are in flight while the learner computes (JAX async dispatch).
+  to ``depth`` batches are in flight while the learner computes (JAX async dispatch; on CPU it must be on, see
+  ``runtime.prefetch_is_synchronous``, or a prefetched batch is computed inside the ``deliver()`` that dispatches it).
 * ``deferred(k, depth)``: overlap, plus priority updates queued on the host and applied in one coalesced kernel call
   once they are k steps old (from ``update_priorities``, off the delivery's wait); the bound: a batch dispatched at
   step t has seen every update reported at steps <= t - k. Queued updates are validated when they are applied, so

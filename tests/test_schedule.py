@@ -232,6 +232,11 @@ def test_overlap_computes_the_next_batch_during_the_learner_step(limited):
     """deliver() returns with the next batch dispatched; it computes while the learner runs, nobody calling the
     plane, and the next deliver() hands over that very batch. With a sample-to-insert limiter that never refuses here,
     prefetch still runs."""
+    import jax
+
+    # the premise: XLA:CPU runs a dispatched computation on its own threads (with async dispatch off it would run
+    # inside deliver(), and only the learner's own jit could overlap it)
+    assert jax.config.read("jax_cpu_enable_async_dispatch")
     spec = ExperienceSpec.from_example({"x": np.zeros(16, np.float32)})
     extra = {"limiter": limits.sample_to_insert_ratio(1.0, 1, 1e7)} if limited else {}
     plane = ExperienceDataPlane(spec, 4096, samplers.prioritized(256), schedule=schedule_lib.overlap(2),
@@ -327,3 +332,28 @@ def test_no_recompilation_in_steady_state(policy):
 def test_the_error_buffer_the_message_asks_for_is_accepted():
     limiter = limits.sample_to_insert_ratio(3, 1, (3 + 16) / 2)  # the message: "must be at least ... = 9.5"
     limiter.check(16)
+
+
+def test_prefetching_schedule_warns_when_cpu_dispatch_is_synchronous():
+    """configure_cpu()'s default (async dispatch off) runs each prefetched batch inside the deliver() that dispatches
+    it: the plane says so instead of silently hiding nothing."""
+    import warnings
+
+    import jax
+
+    from conduit_jax import ConduitWarning
+
+    spec = ExperienceSpec.from_example({"x": np.int32(0)})
+    previous = jax.config.read("jax_cpu_enable_async_dispatch")
+    jax.config.update("jax_cpu_enable_async_dispatch", False)
+    try:
+        with pytest.warns(ConduitWarning, match=r"overlap.*async dispatch is off.*async_dispatch=True"):
+            ExperienceDataPlane(spec, 64, samplers.uniform(8), schedule=schedule_lib.overlap(2), mesh=default_mesh(1))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", ConduitWarning)
+            ExperienceDataPlane(spec, 64, samplers.uniform(8), schedule=schedule_lib.sync(), mesh=default_mesh(1))
+    finally:
+        jax.config.update("jax_cpu_enable_async_dispatch", previous)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ConduitWarning)
+        ExperienceDataPlane(spec, 64, samplers.uniform(8), schedule=schedule_lib.overlap(2), mesh=default_mesh(1))
