@@ -20,7 +20,6 @@ import argparse
 import ctypes
 import datetime
 import gc
-import importlib
 import importlib.metadata
 import json
 import os
@@ -30,7 +29,6 @@ import subprocess
 import sys
 import threading
 import time
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -259,16 +257,15 @@ def warm_runtimes() -> None:
     import jax
 
     jax.jit(lambda x: x + 1)(np.float32(1)).block_until_ready()
-    try:
-        from benchmarks import peers
+    from benchmarks import peers
 
-        peers.import_torch()
-    except ImportError:
-        return
-    if peers.torchrl_status()["torchrl_ok"]:  # reports (does not raise) when TorchRL does not load
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            importlib.import_module("torchrl.data.replay_buffers")  # what the TorchRL contenders are built from
+    try:
+        peers.start_torchrl(seed=0)  # torch, tensordict and torchrl.data: what the TorchRL contenders are built from
+    except peers.Unavailable:  # no TorchRL: torch alone, when installed
+        try:
+            peers.import_torch()
+        except ImportError:
+            pass
 
 
 class RssMonitor:

@@ -502,6 +502,21 @@ def torchrl_status() -> dict[str, Any]:
     return out
 
 
+def start_torchrl(seed: int):
+    """(torch on 1 thread and seeded, tensordict.TensorDict, the torchrl.data package), imported quietly; Unavailable
+    with the reason when TorchRL does not import."""
+    status = torchrl_status()
+    if not status["torchrl_ok"]:
+        raise Unavailable(status["torchrl"])
+    torch = import_torch()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from tensordict import TensorDict
+        from torchrl import data
+    torch.manual_seed(seed)
+    return torch, TensorDict, data
+
+
 class TorchRLUniform(Contender):
     """``ReplayBuffer(storage=LazyTensorStorage(capacity), batch_size=B)`` over TensorDicts; torch on 1 thread."""
 
@@ -510,23 +525,14 @@ class TorchRLUniform(Contender):
     def __init__(self, spec: Spec, capacity: int, batch_size: int, per: Optional[PER] = None, seed: int = 0,
                  fixed_batch: bool = True):
         self.fixed_batch = fixed_batch  # False: no batch size in the constructor, rb.sample(batch_size) per call
-        status = torchrl_status()
-        if not status["torchrl_ok"]:
-            raise Unavailable(status["torchrl"])
-        torch = import_torch()
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            from tensordict import TensorDict
-            from torchrl.data import LazyTensorStorage, ReplayBuffer
-        torch.manual_seed(seed)
-        self._torch, self._TensorDict = torch, TensorDict
-        self.rb = self._make(ReplayBuffer, LazyTensorStorage, capacity, batch_size, per)
+        self._torch, self._TensorDict, data = start_torchrl(seed)
+        self.rb = self._make(data, capacity, batch_size, per)
         self.batch_size = batch_size
 
-    def _make(self, ReplayBuffer, LazyTensorStorage, capacity, batch_size, per):
+    def _make(self, data, capacity, batch_size, per):
         if not self.fixed_batch:
-            return ReplayBuffer(storage=LazyTensorStorage(capacity))
-        return ReplayBuffer(storage=LazyTensorStorage(capacity), batch_size=batch_size)
+            return data.ReplayBuffer(storage=data.LazyTensorStorage(capacity))
+        return data.ReplayBuffer(storage=data.LazyTensorStorage(capacity), batch_size=batch_size)
 
     def prepare(self, batch):
         # a torch user holds tensors already: convert outside the timing (zero-copy from NumPy)
@@ -566,12 +572,11 @@ class TorchRLPER(TorchRLUniform):
         super().__init__(spec, capacity, batch_size, self.per, seed)
         self.fixed_batch = True
 
-    def _make(self, ReplayBuffer, LazyTensorStorage, capacity, batch_size, per):
-        from torchrl.data import PrioritizedSampler, TensorDictReplayBuffer
-
-        return TensorDictReplayBuffer(
-            storage=LazyTensorStorage(capacity), batch_size=batch_size,
-            sampler=PrioritizedSampler(capacity, alpha=per.alpha, beta=per.beta, eps=per.eps), priority_key="td_error")
+    def _make(self, data, capacity, batch_size, per):
+        return data.TensorDictReplayBuffer(
+            storage=data.LazyTensorStorage(capacity), batch_size=batch_size,
+            sampler=data.PrioritizedSampler(capacity, alpha=per.alpha, beta=per.beta, eps=per.eps),
+            priority_key="td_error")
 
     def sample(self, batch_size: int) -> Sampled:
         td = self.rb.sample()
@@ -825,19 +830,10 @@ class TorchRLEpochs(PPOContender):
     name = "torchrl"
 
     def __init__(self, spec: Spec, capacity: int, minibatch: int, epochs: int, seed: int = 0):
-        status = torchrl_status()
-        if not status["torchrl_ok"]:
-            raise Unavailable(status["torchrl"])
+        self._torch, self._TensorDict, data = start_torchrl(seed)
         super().__init__(spec, capacity, minibatch, epochs, seed)
-        torch = import_torch()
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            from tensordict import TensorDict
-            from torchrl.data import LazyTensorStorage, ReplayBuffer, SamplerWithoutReplacement
-        torch.manual_seed(seed)
-        self._torch, self._TensorDict = torch, TensorDict
-        self.rb = ReplayBuffer(storage=LazyTensorStorage(capacity), sampler=SamplerWithoutReplacement(),
-                               batch_size=minibatch)
+        self.rb = data.ReplayBuffer(storage=data.LazyTensorStorage(capacity), sampler=data.SamplerWithoutReplacement(),
+                                    batch_size=minibatch)
 
     def prepare(self, batch):
         n = _num_items(batch)
@@ -1046,21 +1042,11 @@ class TorchRLSequences(Contender):
     name = "torchrl-slices"
 
     def __init__(self, spec: Spec, capacity: int, batch_size: int, length: int, streams: int, seed: int = 0):
-        status = torchrl_status()
-        if not status["torchrl_ok"]:
-            raise Unavailable(status["torchrl"])
-        torch = import_torch()
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            from tensordict import TensorDict
-            from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer
-            from torchrl.data.replay_buffers import SliceSampler
-        torch.manual_seed(seed)
-        self._torch, self._TensorDict = torch, TensorDict
+        self._torch, self._TensorDict, data = start_torchrl(seed)
         self.streams, self.batch_size, self.length = streams, batch_size, length
-        self.rb = TensorDictReplayBuffer(storage=LazyTensorStorage(capacity, ndim=2),
-                                         sampler=SliceSampler(slice_len=length, end_key="episode_end"),
-                                         batch_size=batch_size * length)
+        self.rb = data.TensorDictReplayBuffer(storage=data.LazyTensorStorage(capacity, ndim=2),
+                                              sampler=data.SliceSampler(slice_len=length, end_key="episode_end"),
+                                              batch_size=batch_size * length)
 
     def prepare(self, batch):
         # outside the timing, as for the peers that store [streams, steps]: transposed, then zero-copy tensors
