@@ -61,9 +61,9 @@ def xla_threads_setting(workload: Optional[str] = None) -> str:
 
 def configure_runtime(workload: Optional[str] = None) -> dict:
     """Dispatch settings for latency-bound single-stream loops on this 2-core host (ARCHITECTURE.md), through
-    ``conduit_jax.runtime.configure_cpu``: async dispatch off (multi-kernel samplers 1.3-1.7x faster here) and the
+    ``conduit_jax.runtime.configure_cpu``: async dispatch off (multi-kernel samplers 1.3-1.7x faster here), the
     XLA:CPU intra-op pool of ``xla_threads_setting(workload)`` (see ``WORKLOAD_XLA_THREADS``), for Conduit and the
-    other JAX contenders alike. torch (imported lazily by the TorchRL peer) is pinned to one thread in
+    other JAX contenders alike, and glibc's malloc keeping freed blocks, for every contender in the process. torch (imported lazily by the TorchRL peer) is pinned to one thread in
     ``peers.import_torch``: with its default 2 threads on 2 shared cores it is 25-60x slower. Both JAX settings are
     fixed when the backend starts, so the first call decides (call it first thing in ``main``); when a backend already
     runs (a caller started JAX first) nothing changes and the record says so.
@@ -163,6 +163,7 @@ def environment(memcpy: dict[str, float], extra: Optional[dict] = None) -> dict[
         "memory_kinds": memory_kinds,
         "jax_cpu_enable_async_dispatch": bool(jax.config.read("jax_cpu_enable_async_dispatch")),
         "xla_cpu_intra_op_threads": configure_runtime()["intra_op_threads"],
+        "malloc_retained": configure_runtime().get("malloc"),  # glibc thresholds set by configure_cpu, or None
         "XLA_FLAGS": os.environ.get("XLA_FLAGS"),
         # set on this machine for old OpenBLAS builds; the measured paths (indexing, copies, sum-tree arithmetic)
         # call no BLAS routine, so they do not change what is measured here

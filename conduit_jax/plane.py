@@ -301,8 +301,9 @@ class ExperienceDataPlane:
 
         ``recycle``: an earlier ``Delivery`` of this plane that the caller is done with. The new batch is written
         into its buffers, which are donated (its arrays are deleted, as any donated argument of a jit). A large
-        batch then lands in memory that is already mapped: a fresh 7 MB output takes ~1,700 page faults on XLA:CPU,
-        which can double the time of an Atari-sized batch (benchmarks W3). Checked first (``SpecError`` when its
+        batch then lands in memory that is already mapped: a fresh 7 MB output can take ~1,700 page faults on XLA:CPU,
+        which can double the time of an Atari-sized batch (benchmarks W3), unless malloc keeps freed blocks
+        (``runtime.configure_cpu()`` does by default). Checked first (``SpecError`` when its
         structure, shapes, dtypes or shardings are not this plane's batches, or it was already donated).
         """
         with self._changed:

@@ -20,7 +20,16 @@ fixed cost. Two settings of the CPU client decide much of that cost, and both ar
   off a prefetched batch is computed inside the ``deliver()`` that dispatches it, so nothing hides behind the
   learner's step (the plane warns, ``prefetch_is_synchronous``).
 
-A third setting is per kernel and needs no call: the plane compiles its delivery kernels on CPU at XLA's backend
+* **Freed memory kept for reuse** (glibc's ``mallopt``, ``retain_freed_memory``): by default glibc returns a freed
+  block of a few MB to the OS (``mmap`` above its adaptive threshold, trimming the heap top above 128 KB), so the next
+  batch of that size lands on fresh pages and pays a fault per 4 KB page. A 14 MB batch of 256 Atari transitions took
+  ~1,300 faults and 3.3 ms per ``sample()`` here, and 18 faults and 1.8 ms with blocks up to
+  ``RETAINED_MALLOC["mmap_threshold"]`` served from the heap and up to ``RETAINED_MALLOC["trim_threshold"]`` of free
+  heap kept (two runs of one script, a 20,000-item ring; NumPy's fancy-index batches went from 5.6 to 2.0 ms).
+  ``sample(recycle=)`` avoids the faults too, by reusing a finished batch's buffers. The setting is process-wide: NumPy, torch and any
+  other library in the process reuse their freed blocks as well.
+
+A fourth setting is per kernel and needs no call: the plane compiles its delivery kernels on CPU at XLA's backend
 optimisation level 1 (``delivery_compiler_options``), where LLVM keeps the copy loop of a narrow leaf vectorised.
 
 Call ``configure_cpu()`` first thing in a program, before anything touches a JAX backend. It is for processes whose
@@ -29,6 +38,7 @@ JAX work is replay-sized; a process that also runs large matrix products on the 
 
 from __future__ import annotations
 
+import ctypes
 import os
 import sys
 import warnings
@@ -50,9 +60,28 @@ def backend_started() -> bool:
         return True
 
 
-def configure_cpu(intra_op_threads: Optional[int] = 1, *, async_dispatch: bool = False) -> dict:
+RETAINED_MALLOC = {"mmap_threshold": 32 << 20, "trim_threshold": 256 << 20}  # bytes; 32 MiB is glibc's largest
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt parameters (malloc.h)
+
+
+def retain_freed_memory() -> Optional[dict]:
+    """Have glibc's malloc keep freed blocks for reuse (``RETAINED_MALLOC``; see the module docstring). Returns the
+    thresholds set, or None where the C library is not glibc (nothing changed)."""
+    try:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):
+        return None
+    if not (mallopt(_M_MMAP_THRESHOLD, RETAINED_MALLOC["mmap_threshold"])
+            and mallopt(_M_TRIM_THRESHOLD, RETAINED_MALLOC["trim_threshold"])):
+        return None
+    return dict(RETAINED_MALLOC)
+
+
+def configure_cpu(intra_op_threads: Optional[int] = 1, *, async_dispatch: bool = False,
+                  keep_freed_memory: bool = True) -> dict:
     """Start JAX's CPU client with ``intra_op_threads`` pool threads (None: XLA's default, one per usable CPU) and
-    async dispatch on or off. Returns the settings applied, for a benchmark's environment record.
+    async dispatch on or off; with ``keep_freed_memory``, ``retain_freed_memory()`` first. Returns the settings
+    applied, for a benchmark's environment record.
 
     Raises ``ConfigError`` (and changes nothing) when a backend already runs, since neither setting could take
     effect, or when ``intra_op_threads`` is not a positive int.
@@ -66,6 +95,7 @@ def configure_cpu(intra_op_threads: Optional[int] = 1, *, async_dispatch: bool =
                           "jax.devices())")
     import jax
 
+    malloc = retain_freed_memory() if keep_freed_memory else None
     jax.config.update("jax_cpu_enable_async_dispatch", bool(async_dispatch))
     usable = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_setaffinity") else None
     if usable is None and intra_op_threads is not None:
@@ -74,14 +104,15 @@ def configure_cpu(intra_op_threads: Optional[int] = 1, *, async_dispatch: bool =
     if intra_op_threads is None or usable is None or intra_op_threads >= len(usable):
         jax.devices()
         pool = len(usable) if usable else os.cpu_count()
-        return {"intra_op_threads": pool, "async_dispatch": bool(async_dispatch), "narrowed": False}
+        return {"intra_op_threads": pool, "async_dispatch": bool(async_dispatch), "narrowed": False, "malloc": malloc}
     saved = set(usable)
     os.sched_setaffinity(0, set(usable[:intra_op_threads]))  # the calling thread: the client reads this mask
     try:
         jax.devices()
     finally:
         _restore_affinity(saved)
-    return {"intra_op_threads": intra_op_threads, "async_dispatch": bool(async_dispatch), "narrowed": True}
+    return {"intra_op_threads": intra_op_threads, "async_dispatch": bool(async_dispatch), "narrowed": True,
+            "malloc": malloc}
 
 
 def _restore_affinity(cpus: set[int]) -> None:
