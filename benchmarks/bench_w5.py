@@ -107,7 +107,8 @@ def run(settings: common.Settings) -> list[dict]:
     ]
     notes = {
         "windows": "uniform over stored windows; all four may cross an episode end (Conduit pad=True also delivers "
-                   "the first-episode mask; TorchRL's slice sampler is given a never-set end key, stored with the data)",
+                   "the first-episode mask; TorchRL's slice sampler is given a never-set end key, stored with the "
+                   "data)",
         "layout": f"time-major chunks (item t*{STREAMS}+e); Flashbax, NumPy and TorchRL store per env and get the "
                   f"chunk transposed to [envs, steps] outside the timing",
         "cpprb": "not run: cpprb has no window (sequence) sampler",

@@ -63,8 +63,9 @@ def configure_runtime(workload: Optional[str] = None) -> dict:
     """Dispatch settings for latency-bound single-stream loops on this 2-core host (ARCHITECTURE.md), through
     ``conduit_jax.runtime.configure_cpu``: async dispatch off (multi-kernel samplers 1.3-1.7x faster here), the
     XLA:CPU intra-op pool of ``xla_threads_setting(workload)`` (see ``WORKLOAD_XLA_THREADS``), for Conduit and the
-    other JAX contenders alike, and glibc's malloc keeping freed blocks, for every contender in the process. torch (imported lazily by the TorchRL peer) is pinned to one thread in
-    ``peers.import_torch``: with its default 2 threads on 2 shared cores it is 25-60x slower. Both JAX settings are
+    other JAX contenders alike, and glibc's malloc keeping freed blocks, for every contender in the process. torch
+    (imported lazily by the TorchRL peer) is pinned to one thread in ``peers.import_torch``: with its default 2
+    threads on 2 shared cores it is 25-60x slower. Both JAX settings are
     fixed when the backend starts, so the first call decides (call it first thing in ``main``); when a backend already
     runs (a caller started JAX first) nothing changes and the record says so.
     """

@@ -14,7 +14,7 @@ from conduit_jax.spec import ExperienceSpec
 __version__ = "0.1.0"
 
 __all__ = [
-    "CapacityError", "CheckpointError", "ConduitError", "ConduitWarning", "ConfigError", "Delivery", "ExperienceDataPlane", "ExperienceSpec",
-    "NotEnoughDataError", "PriorityError", "RateLimitedError", "SpecError", "default_mesh", "limits", "samplers",
-    "metrics", "runtime", "schedule", "transforms",
+    "CapacityError", "CheckpointError", "ConduitError", "ConduitWarning", "ConfigError", "Delivery",
+    "ExperienceDataPlane", "ExperienceSpec", "NotEnoughDataError", "PriorityError", "RateLimitedError", "SpecError",
+    "default_mesh", "limits", "samplers", "metrics", "runtime", "schedule", "transforms",
 ]

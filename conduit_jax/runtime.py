@@ -20,14 +20,16 @@ fixed cost. Two settings of the CPU client decide much of that cost, and both ar
   off a prefetched batch is computed inside the ``deliver()`` that dispatches it, so nothing hides behind the
   learner's step (the plane warns, ``prefetch_is_synchronous``).
 
+A third setting belongs to the C library, not to JAX, and can change at any time:
+
 * **Freed memory kept for reuse** (glibc's ``mallopt``, ``retain_freed_memory``): by default glibc returns a freed
   block of a few MB to the OS (``mmap`` above its adaptive threshold, trimming the heap top above 128 KB), so the next
   batch of that size lands on fresh pages and pays a fault per 4 KB page. A 14 MB batch of 256 Atari transitions took
   ~1,300 faults and 3.3 ms per ``sample()`` here, and 18 faults and 1.8 ms with blocks up to
   ``RETAINED_MALLOC["mmap_threshold"]`` served from the heap and up to ``RETAINED_MALLOC["trim_threshold"]`` of free
   heap kept (two runs of one script, a 20,000-item ring; NumPy's fancy-index batches went from 5.6 to 2.0 ms).
-  ``sample(recycle=)`` avoids the faults too, by reusing a finished batch's buffers. The setting is process-wide: NumPy, torch and any
-  other library in the process reuse their freed blocks as well.
+  ``sample(recycle=)`` avoids the faults too, by reusing a finished batch's buffers. The setting is process-wide:
+  NumPy, torch and any other library in the process reuse their freed blocks as well.
 
 A fourth setting is per kernel and needs no call: the plane compiles its delivery kernels on CPU at XLA's backend
 optimisation level 1 (``delivery_compiler_options``), where LLVM keeps the copy loop of a narrow leaf vectorised.
