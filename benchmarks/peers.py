@@ -1036,8 +1036,8 @@ class TorchRLSequences(Contender):
     steps]`` chunks along time; torch on 1 thread. ``episode_end`` is a bool leaf that is never set, stored with the
     data (1 B per step): with no episode ends each stream is one trajectory, so the windows may cross an episode end
     as the other contenders' do, and the slice sampler's uniform draw over trajectories (streams of equal length),
-    then over starts, is uniform over the stored windows. The seam at the write cursor is respected (checked: no
-    drawn window spans it). ``sample`` reshapes the flat ``[B * L]`` slices to ``[B, L, ...]`` (a view)."""
+    then over starts, is uniform over the stored windows, and no window spans the seam at the write cursor
+    (tests/test_peers.py). ``sample`` reshapes the flat ``[B * L]`` slices to ``[B, L, ...]`` (a view)."""
 
     name = "torchrl-slices"
 
