@@ -147,5 +147,8 @@ CPU_DELIVERY_COMPILER_OPTIONS = {"xla_backend_optimization_level": 1}
 def delivery_compiler_options(devices) -> dict:
     """The XLA compiler options of the plane's delivery kernels (sample, with or without pending priority updates,
     into fresh or recycled buffers) on ``devices``: ``CPU_DELIVERY_COMPILER_OPTIONS`` where every device is a CPU,
-    else none. A learner's own jit around ``sample_fn`` compiles with the learner's options."""
+    else none. A learner's own jit around ``sample_fn`` compiles with the learner's options, and should: at level 1
+    the 16 minibatch gathers of a W4 PPO iteration drawn in one jit took 1.33 ms instead of 1.83, but a PPO update
+    step (MLP 64-64-64-5, batch 4,096, Adam) took 2.90 ms instead of 2.75, a net loss over an iteration's 16
+    updates (one process, interleaved, 2026-12-02)."""
     return dict(CPU_DELIVERY_COMPILER_OPTIONS) if {d.platform for d in devices} == {"cpu"} else {}
