@@ -25,9 +25,9 @@ A third setting belongs to the C library, not to JAX, and can change at any time
 * **Freed memory kept for reuse** (glibc's ``mallopt``, ``retain_freed_memory``): by default glibc returns a freed
   block of a few MB to the OS (``mmap`` above its adaptive threshold, trimming the heap top above 128 KB), so the next
   batch of that size lands on fresh pages and pays a fault per 4 KB page. A 14 MB batch of 256 Atari transitions took
-  ~1,300 faults and 3.3 ms per ``sample()`` here, and 18 faults and 1.8 ms with blocks up to
+  ~2,100 faults and 5.0 ms per ``sample()`` here, and 35 faults and 1.45 ms with blocks up to
   ``RETAINED_MALLOC["mmap_threshold"]`` served from the heap and up to ``RETAINED_MALLOC["trim_threshold"]`` of free
-  heap kept (two runs of one script, a 20,000-item ring; NumPy's fancy-index batches went from 5.6 to 2.0 ms).
+  heap kept (two runs of one script, a 20,000-item ring; NumPy's fancy-index batches went from 4.9 to 2.3 ms).
   ``sample(recycle=)`` avoids the faults too, by reusing a finished batch's buffers. The setting is process-wide:
   NumPy, torch and any other library in the process reuse their freed blocks as well.
 
@@ -62,7 +62,9 @@ def backend_started() -> bool:
         return True
 
 
-RETAINED_MALLOC = {"mmap_threshold": 32 << 20, "trim_threshold": 256 << 20}  # bytes; 32 MiB is glibc's largest
+# bytes; 32 MiB is glibc's largest mmap threshold. A trim threshold of 64 MiB kept nearly all of the gain of 256 MiB
+# (a fresh W3 batch of 256: 35-44 faults per call against 18; 2,146 with glibc's defaults) with less free heap kept
+RETAINED_MALLOC = {"mmap_threshold": 32 << 20, "trim_threshold": 64 << 20}
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt parameters (malloc.h)
 
 
