@@ -95,8 +95,8 @@ def _materialised(x):
     """``x``, computed in a kernel of its own. XLA fuses a cheap elementwise producer into every consumer, so the
     chain of selects of ``pick`` ran again for each element its consumers read: 16 per draw in the next level's block
     read, 84 per draw in a W1 row gather, and nested across levels (a W2 PER step took 520-590 us against 320-340
-    with the stacked pick, and 255-285 us once materialised). ``lax.optimization_barrier`` is gone by the time XLA:CPU fuses; a
-    reduction is not fused into its consumers, and the max of ``x`` and the lowest value is ``x``."""
+    with the stacked pick, and 255-285 us once materialised). ``lax.optimization_barrier`` is gone by the time
+    XLA:CPU fuses; a reduction is not fused into its consumers, and the max of ``x`` and the lowest value is ``x``."""
     lowest = jnp.iinfo(x.dtype).min if jnp.issubdtype(x.dtype, jnp.integer) else -jnp.inf
     return jnp.max(jnp.stack([x, jnp.full_like(x, lowest)]), axis=0)
 

@@ -1,6 +1,9 @@
 """Test setup: 8 emulated CPU devices, configured before JAX initialises its backends."""
 
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -14,10 +17,6 @@ assert jax.device_count() == 8, "tests need 8 emulated CPU devices; XLA_FLAGS wa
 # The suite is compile-bound: many tests build planes whose kernels are the same XLA programs. JAX's persistent
 # compilation cache, in a directory of this run only, compiles each of them once (test_plane + test_samplers +
 # test_prioritized: 73 -> 60 s here). Every kernel is still compiled from scratch in the first test that needs it.
-import atexit  # noqa: E402
-import shutil  # noqa: E402
-import tempfile  # noqa: E402
-
 _compile_cache = tempfile.mkdtemp(prefix="conduit-test-jax-cache-")
 atexit.register(shutil.rmtree, _compile_cache, ignore_errors=True)
 jax.config.update("jax_compilation_cache_dir", _compile_cache)

@@ -30,11 +30,11 @@ print(json.dumps({"applied": applied, "before": before, "async": jax.config.read
 """
 
 
-def _child(threads: str) -> dict:
+def _child(arg: str, code: str = CHILD) -> dict:
+    """Run ``code`` with ``arg`` in a fresh one-device CPU process; its last stdout line, as JSON."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["JAX_PLATFORMS"] = "cpu"
-    done = subprocess.run([sys.executable, "-c", CHILD, threads], capture_output=True, text=True, timeout=120,
-                          env=env)
+    done = subprocess.run([sys.executable, "-c", code, arg], capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -88,14 +88,7 @@ print(json.dumps({"malloc": applied["malloc"],
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
 def test_kept_freed_memory_gives_fresh_outputs_used_pages():
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["JAX_PLATFORMS"] = "cpu"
-    reports = {}
-    for mode in ("keep", "default"):
-        done = subprocess.run([sys.executable, "-c", FAULTS_CHILD, mode], capture_output=True, text=True,
-                              timeout=120, env=env)
-        assert done.returncode == 0, done.stderr
-        reports[mode] = json.loads(done.stdout.strip().splitlines()[-1])
+    reports = {mode: _child(mode, FAULTS_CHILD) for mode in ("keep", "default")}
     assert reports["keep"]["malloc"] == runtime.RETAINED_MALLOC
     assert reports["keep"]["faults_per_call"] <= 3528 / 4, reports  # most calls reuse their outputs' pages
     assert reports["default"]["malloc"] is None  # keep_freed_memory=False leaves malloc as it was
