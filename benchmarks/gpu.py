@@ -75,8 +75,8 @@ class ConduitIn(peers.Conduit):
         plane.state = jax.device_put(plane.state, target)
         jax.block_until_ready(plane.state)
         self.place_s = time.perf_counter() - start
-        plane._shardings = target  # private: ingest kernels built from now on keep the state in this kind
-        plane._ingest_kernels.clear()
+        plane._shardings = target  # private: kernels built from now on keep the state in this kind
+        plane._build_kernels()
 
     def actual_kinds(self) -> dict[str, Any]:
         state = self.plane.state

@@ -644,7 +644,7 @@ class Conduit(Contender):
 
     def add(self, batch) -> None:
         self.plane.ingest(batch)
-        self._jax.block_until_ready(self.plane.state)
+        self.plane.block_until_ready()
 
     def sample(self, batch_size: int) -> Sampled:
         assert batch_size == self.batch_size
@@ -868,7 +868,7 @@ class ConduitEpochs(PPOContender):
 
     def add(self, rollout) -> None:
         self.plane.ingest(rollout)
-        self._jax.block_until_ready(self.plane.state)
+        self.plane.block_until_ready()
 
     def minibatch(self):
         delivery = self.plane.sample()

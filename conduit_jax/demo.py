@@ -227,7 +227,7 @@ def run_demo(config: DemoConfig = DemoConfig()) -> dict[str, Any]:
         t0 = time.perf_counter()
         for transitions in outgoing:
             plane.ingest(transitions)
-        jax.block_until_ready(plane.state)
+        plane.block_until_ready()
         row["ingest"] = time.perf_counter() - t0
         for transitions in outgoing:
             items_in += len(transitions["done"])

@@ -1,10 +1,12 @@
 """ExperienceDataPlane: the one imperative shell around the pure data plane in ``replay.py``.
 
 The shell owns the state pytree, the compiled kernels (one ingest kernel per batch-size bucket, one sample kernel)
-and donation; it validates every input on the host before anything touches state, so a rejected call leaves the
-state exactly as it was. Everything that must survive a checkpoint is in ``plane.state``; the shell's own host-side
-values are either derived from it (the status counters) or transient delivery bookkeeping (batches in flight,
-deferred updates), which ``save()`` settles first.
+and donation. Its kernels take and return the state in a ``LeafBundle`` form, the large leaves plus every scalar
+counter in one small vector (each array through a jit boundary costs dispatch time); ``plane.state`` is the pytree
+itself, assembled from that form when it is read. The shell validates every input on the host before anything
+touches state, so a rejected call leaves the state exactly as it was. Everything that must survive a checkpoint is
+in ``plane.state``; the shell's own host-side values are either derived from it (the status counters) or transient
+delivery bookkeeping (batches in flight, deferred updates), which ``save()`` settles first.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from conduit_jax import limits, metrics, replay, runtime, samplers, storage
 from conduit_jax import schedule as schedule_lib
 from conduit_jax.errors import (CapacityError, ConduitWarning, ConfigError, NotEnoughDataError, PriorityError,
                                 RateLimitedError, SpecError)
+from conduit_jax._pytree import LeafBundle
 from conduit_jax._pytree import replace as _replace
 from conduit_jax.limits import LimiterState, Staleness
 from conduit_jax.replay import Delivery, ReplayConfig, ReplayState
@@ -96,8 +99,12 @@ class ExperienceDataPlane:
         self.config = config
         self._shardings = replay.shardings(config) if plan is None else plan.shardings(config)
         self.plan = plan
-        self._state: ReplayState = jax.jit(functools.partial(replay.init, config, seed),
-                                           out_shardings=self._shardings)()
+        # the state, in one or both of two forms that agree: the pytree (``_tree``: what ``plane.state`` returns and
+        # accepts) and the kernels' form (``_form``: storage's large leaves, the rest's large leaves, the small
+        # leaves' vector; see _pytree.LeafBundle). Kernels produce the form; reading plane.state joins it once.
+        self._tree: Optional[ReplayState] = jax.jit(functools.partial(replay.init, config, seed),
+                                                    out_shardings=self._shardings)()
+        self._form: Optional[tuple] = None
         # the status scalars the shell decides on (size, deliverable, limiter balance), kept in step on the host by
         # the same arithmetic the kernels do; reading them from the device would wait for every batch in flight.
         # None: unknown (fresh state assigned from outside), read from the device once.
@@ -129,7 +136,9 @@ class ExperienceDataPlane:
     def _build_kernels(self) -> None:
         """Compile-on-first-use kernels for the current config and shardings (a replan builds new ones)."""
         config, shardings = self.config, self._shardings
-        rest = _replace(shardings, storage=None)
+        abstract = jax.eval_shape(functools.partial(replay.init, config, 0))
+        self._bundle = bundle = LeafBundle(abstract, shardings)
+        self._storage_large = bundle.count_large(len(jax.tree_util.tree_leaves(abstract.storage)))
         self._ingest_kernels: dict[tuple[int, bool], Any] = {}  # (rows, host-packed) -> kernel
         # + the deliverable count, for samplers that keep it in an index; a draw changes it only where it retires
         # items, so the sample kernels report it only then
@@ -140,20 +149,22 @@ class ExperienceDataPlane:
 
         sample_step = self._reporting(functools.partial(replay.sample, config), sample_reports)
         update_sample_step = self._reporting(update_sample, sample_reports)
-        deliver = functools.partial(_reading_storage,
+        reading = functools.partial(_reading_storage, bundle=bundle, storage_large=self._storage_large)
+        deliver = functools.partial(reading,
                                     compiler_options=runtime.delivery_compiler_options(config.mesh.devices.flat))
-        self._sample_kernel = deliver(sample_step, shardings, rest, 1 + sample_reports)
-        self._update_sample_kernel = deliver(update_sample_step, shardings, rest, 1 + sample_reports)
+        self._sample_kernel = deliver(sample_step, num_outputs=1 + sample_reports)
+        self._update_sample_kernel = deliver(update_sample_step, num_outputs=1 + sample_reports)
         # the same two with a finished Delivery donated: XLA writes the new batch into its buffers (sample(recycle=))
         self._recycling_kernels = {
-            pending: deliver(step, shardings, rest, 1 + sample_reports, recycles=True)
+            pending: deliver(step, num_outputs=1 + sample_reports, recycles=True)
             for pending, step in ((False, sample_step), (True, update_sample_step))}
         self._delivery_layout = None  # (treedef, [(shape, dtype, sharding)]) of the batches these kernels deliver
-        self._version_kernel = _reading_storage(self._reporting(lambda state, version: (
-            replay.set_policy_version(config, state, version),), reports), shardings, rest, int(reports))
-        self._update_kernel = _reading_storage(lambda state, updates: (
-            _replace(state, sampler=replay.update(config, state, *_unpacked(updates))),), shardings, rest, 0)
-        self._status_kernel = jax.jit(lambda state: replay.status(config, _computable(state, shardings)))
+        self._version_kernel = reading(self._reporting(lambda state, version: (
+            replay.set_policy_version(config, state, version),), reports), num_outputs=int(reports))
+        self._update_kernel = reading(lambda state, updates: (
+            _replace(state, sampler=replay.update(config, state, *_unpacked(updates))),), num_outputs=0)
+        self._status_kernel = jax.jit(lambda storage_large, rest_large, small: replay.status(
+            config, _computable(bundle.join(storage_large + rest_large, small), shardings)))
 
     def _reporting(self, step, reports: bool):
         """``step(state, *args) -> (state', *outputs)``, with the deliverable count after it as one more output when
@@ -174,14 +185,45 @@ class ExperienceDataPlane:
         """The whole plane as one pytree (storage, sampler, limiter, counters): what a checkpoint saves."""
         with self._changed:
             self._flush_updates()
-            return self._state
+            if self._tree is None and self._form is not None:
+                storage_large, rest_large, small = self._form
+                self._tree = self._bundle.to_tree(storage_large + rest_large, small)
+            return self._tree
 
     @state.setter
     def state(self, value: ReplayState) -> None:
         with self._changed:
             self._flush_updates()  # they were reported against the state being replaced; keep the order of calls
-            self._state = value
+            self._tree, self._form = value, None
             self._counters = None
+
+    def block_until_ready(self) -> "ExperienceDataPlane":
+        """Wait until every kernel dispatched on the state so far has finished (``jax.block_until_ready`` on
+        ``plane.state``, without assembling the state from the kernels' form)."""
+        with self._changed:
+            jax.block_until_ready(self._form if self._form is not None else self._tree)
+        return self
+
+    def _kernel_form(self) -> tuple:
+        """The state as the kernels take it: (storage's large leaves, the rest's large leaves, the small leaves'
+        vector). A state assigned from outside is split here, once. Callers hold ``self._changed``."""
+        if self._form is None:
+            large, small = self._bundle.from_tree(self._tree)
+            self._form = (large[:self._storage_large], large[self._storage_large:], small)
+        return self._form
+
+    def _keep_form(self, storage_large, rest_large, small) -> None:
+        """A kernel's new state; the pytree is assembled again only if someone reads it."""
+        self._form, self._tree = (tuple(storage_large), tuple(rest_large), small), None
+
+    def _run_reading(self, name: str, kernel, *args) -> list:
+        """Call a kernel built by ``_reading_storage`` on the state (its compilations counted under ``name``), keep
+        the state it returns, return its outputs. Callers hold ``self._changed``."""
+        storage_large, rest_large, small = self._kernel_form()
+        with self._counting_compiles(name):
+            rest_large, small, *outputs = self._settled(kernel(storage_large, rest_large, small, *args))
+        self._keep_form(storage_large, rest_large, small)
+        return outputs
 
     @property
     def capacity(self) -> int:
@@ -235,9 +277,11 @@ class ExperienceDataPlane:
                     # the caller's buffers are never aliased, and no op runs on the unpadded shape (which would
                     # compile once per batch size)
                     block, packed = self.config.layout.pack_host(leaves, start, m, rows, self._staging(rows)), True
+                form = self._kernel_form()
                 with self._counting_compiles(f"ingest[{rows}{',packed' if packed else ''}]"):
-                    self._state, finished, *reported = self._settled(self._ingest_kernel(rows, packed)(
-                        self._state, self.config.layout.to_ring(block) if packed else block, np.int32(m)))
+                    large, small, finished, *reported = self._settled(self._ingest_kernel(rows, packed)(
+                        *form, self.config.layout.to_ring(block) if packed else block, np.int32(m)))
+                self._keep_form(large[:self._storage_large], large[self._storage_large:], small)
                 if packed:
                     self._last_staging = (block, finished)
             self._count_ingest(n, reported)
@@ -279,15 +323,24 @@ class ExperienceDataPlane:
         """The compiled ingest for one bucket of batch rows, for host-packed rows or a pytree of device arrays."""
         kernel = self._ingest_kernels.get((rows, packed))
         if kernel is None:
-            config, shardings = self.config, self._shardings
+            config, shardings, bundle = self.config, self._shardings, self._bundle
+
             def ingest_step(state, batch, n):
-                new_state = replay.ingest(config, _computable(state, shardings), batch, n, packed=packed)
+                new_state = replay.ingest(config, state, batch, n, packed=packed)
                 # a scalar of its own that is ready once this ingest has finished, even after the state has been
                 # donated to another jit: the staging array this ingest read is packed again only then
                 return new_state, jnp.sum(new_state.storage.cursor)
 
-            kernel = jax.jit(self._reporting(ingest_step, self._reports_deliverable), donate_argnums=(0,),
-                             out_shardings=(shardings, None) + (None,) * int(self._reports_deliverable))
+            step = self._reporting(ingest_step, self._reports_deliverable)
+
+            def ingest_kernel(storage_large, rest_large, small, batch, n):
+                state = _computable(bundle.join(storage_large + rest_large, small), shardings)
+                new_state, *outputs = step(state, batch, n)
+                return (*bundle.split(new_state), *outputs)
+
+            kernel = jax.jit(ingest_kernel, donate_argnums=(0, 1, 2),
+                             out_shardings=(bundle.large_shardings, bundle.small_sharding, None)
+                             + (None,) * int(self._reports_deliverable))
             self._ingest_kernels[(rows, packed)] = kernel
         return kernel
 
@@ -310,21 +363,19 @@ class ExperienceDataPlane:
             self._wait_until(self._sample_refusal, timeout)
             recycled = self._checked_recycle(recycle, "sample()")
             start_time = time.perf_counter()
-            state, pending = self._state, self._take_pending_updates()
-            rest = _replace(state, storage=None)
+            pending = self._take_pending_updates()
             donated = () if recycled is None else (recycled,)
             if pending is None:
                 kernel = self._sample_kernel if recycled is None else self._recycling_kernels[False]
-                with self._counting_compiles("sample" if recycled is None else "sample[recycle]"):
-                    rest, delivery, *reported = self._settled(kernel(state.storage, rest, *donated))
+                delivery, *reported = self._run_reading("sample" if recycled is None else "sample[recycle]", kernel,
+                                                        *donated)
             else:
                 kernel = self._update_sample_kernel if recycled is None else self._recycling_kernels[True]
-                with self._counting_compiles(f"update+sample[{pending.shape[0]}"
-                                             f"{'' if recycled is None else ',recycle'}]"):
-                    rest, delivery, *reported = self._settled(kernel(state.storage, rest, *donated, pending))
+                delivery, *reported = self._run_reading(
+                    f"update+sample[{pending.shape[0]}{'' if recycled is None else ',recycle'}]", kernel, *donated,
+                    pending)
             if self._delivery_layout is None:
                 self._delivery_layout = _layout_of(delivery)
-            self._state = _replace(rest, storage=state.storage)
             self._count_sample(reported)
             self.timeline.record("sample", start_time, time.perf_counter())
             self._changed.notify_all()
@@ -557,10 +608,7 @@ class ExperienceDataPlane:
         if pending is None:
             return
         start_time = time.perf_counter()
-        state = self._state
-        with self._counting_compiles("update"):
-            (rest,) = self._settled(self._update_kernel(state.storage, _replace(state, storage=None), pending))
-        self._state = _replace(rest, storage=state.storage)
+        self._run_reading("update", self._update_kernel, pending)
         self.timeline.record("update", start_time, time.perf_counter())
 
     # -- checkpoints --------------------------------------------------------------------------------------------------
@@ -601,8 +649,8 @@ class ExperienceDataPlane:
                                  f"live migration keeps the shard count so no item is renumbered")
         shardings = plan.shardings(config)
         with self._changed:
-            self._flush_updates()
-            self._state = jax.device_put(self._state, shardings)
+            moved = jax.device_put(self.state, shardings)
+            self._tree, self._form = moved, None
             self.config, self.mesh, self.plan, self._shardings = config, new_mesh, plan, shardings
             self._build_kernels()
 
@@ -617,19 +665,18 @@ class ExperienceDataPlane:
             if version < current:
                 raise ConfigError(f"set_policy_version(): versions only move forward; the plane is at {current}, "
                                   f"got {version}")
-            state = self._state
-            with self._counting_compiles("version"):
-                rest, *reported = self._settled(self._version_kernel(state.storage, _replace(state, storage=None),
-                                                                     np.int32(version)))
-            self._state = _replace(rest, storage=state.storage)
+            reported = self._run_reading("version", self._version_kernel, np.int32(version))
             if self._counters is not None and reported:
                 self._counters["deliverable"] = reported[0]  # retired items can empty an eligibility index
             self._changed.notify_all()
 
     # -- status -------------------------------------------------------------------------------------------------
     def _status(self) -> dict[str, int]:
-        with self._counting_compiles("status"):
-            status = self._status_kernel(self.state)
+        with self._changed:
+            self._flush_updates()
+            form = self._kernel_form()
+            with self._counting_compiles("status"):
+                status = self._status_kernel(*form)
         return {k: int(v) for k, v in jax.device_get(status).items()}
 
     def compile_counts(self) -> dict[str, int]:
@@ -701,23 +748,27 @@ def _unpacked(updates):
     return updates[:, :2], lax.bitcast_convert_type(updates[:, 2], jnp.float32), updates[:, 3] != 0
 
 
-def _reading_storage(step, shardings, rest_shardings, num_outputs: int, recycles: bool = False,
+def _reading_storage(step, bundle: LeafBundle, storage_large: int, num_outputs: int, recycles: bool = False,
                      compiler_options: Optional[dict] = None):
-    """Jit ``step(state, *args) -> (state', *outputs)`` for steps that only read storage: the storage goes in as its
-    own (not donated) argument and does not come out, the rest of the state is donated and keeps its placement.
-    Returning the unchanged storage from a jitted function would make XLA copy the whole buffer on every call.
+    """Jit ``step(state, *args) -> (state', *outputs)`` for steps that only read storage, over the state's bundled
+    form ``(storage's large leaves, the rest's large leaves, small leaves' vector)``: storage's large leaves (the ring)
+    go in undonated and do not come out, the rest is donated and keeps its placement. Returning the unchanged ring
+    from a jitted function would make XLA copy the whole buffer on every call. The kernel returns ``(rest's large
+    leaves, small vector, *outputs)``; storage's small leaves ride in the vector unchanged.
 
     ``recycles``: the kernel takes one more donated argument after the state, a finished output of the same shapes,
     which it never reads: XLA writes the outputs into its buffers (``keep_unused``, or jit would drop it).
     ``compiler_options``: XLA options of this kernel (see ``runtime.delivery_compiler_options``)."""
 
-    def kernel(storage_state, rest, *args):
-        state = _computable(_replace(rest, storage=storage_state), shardings)
+    def kernel(storage_leaves, rest_leaves, small, *args):
+        state = _computable(bundle.join(storage_leaves + rest_leaves, small), bundle.shardings)
         new_state, *outputs = step(state, *args[1:] if recycles else args)
-        return (_replace(new_state, storage=None), *outputs)
+        large, small = bundle.split(new_state)
+        return (large[storage_large:], small, *outputs)
 
-    return jax.jit(kernel, donate_argnums=(1, 2) if recycles else (1,), keep_unused=recycles,
-                   out_shardings=(rest_shardings,) + (None,) * num_outputs, compiler_options=compiler_options)
+    return jax.jit(kernel, donate_argnums=(1, 2, 3) if recycles else (1, 2), keep_unused=recycles,
+                   out_shardings=(bundle.large_shardings[storage_large:], bundle.small_sharding)
+                   + (None,) * num_outputs, compiler_options=compiler_options)
 
 
 def _recycle_error(where: str, recycle: Delivery, index: int, shape, dtype, sharding) -> SpecError:

@@ -98,7 +98,7 @@ def measure_local(sampler_name: str, seconds: float, devices: int = 1) -> dict:
     jax.block_until_ready(plane.sample())
     start = time.perf_counter()
     calls, _, _ = _timed_loop(lambda: plane.ingest(data), seconds)
-    jax.block_until_ready(plane.state)
+    plane.block_until_ready()
     ingest_rate = calls * INGEST_BATCH / (time.perf_counter() - start)
     calls, elapsed, lat = _timed_loop(lambda: jax.block_until_ready(plane.sample()), seconds)
     return {"ingest_items_per_s": ingest_rate, "sample_batches_per_s": calls / elapsed, "sample_latency": _ms(lat)}

@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 
 from conduit_jax import ExperienceDataPlane, default_mesh, samplers
-from conduit_jax.plane import _replace
 
 CAPACITY = 1 << 14
 SPEC = {"obs": jax.ShapeDtypeStruct((6,), np.float32), "terminated": jax.ShapeDtypeStruct((), np.bool_),
@@ -49,15 +48,14 @@ def large_copies(hlo: str) -> list[str]:
 def test_no_kernel_copies_the_ring_or_a_tree_level(sampler):
     plane = ExperienceDataPlane(SPEC, CAPACITY, SAMPLERS[sampler](), mesh=default_mesh(1))
     plane.ingest(batch(1000))
-    state = plane.state
-    rest = _replace(state, storage=None)
+    form = plane._kernel_form()
     block = plane.config.layout.pack_host(jax.tree_util.tree_leaves(batch(1000, 1)), 0, 1000, 1024)
-    lowered = {"ingest": plane._ingest_kernel(1024, True).lower(state, block, np.int32(1000)),
-               "sample": plane._sample_kernel.lower(state.storage, rest)}
+    lowered = {"ingest": plane._ingest_kernel(1024, True).lower(*form, block, np.int32(1000)),
+               "sample": plane._sample_kernel.lower(*form)}
     if plane.sampler.update is not None:
         update = np.zeros((32, 4), np.int32)  # 32 packed updates (id row, generation, priority bits, valid)
-        lowered["update"] = plane._update_kernel.lower(state.storage, rest, update)
-        lowered["update+sample"] = plane._update_sample_kernel.lower(state.storage, rest, update)
+        lowered["update"] = plane._update_kernel.lower(*form, update)
+        lowered["update+sample"] = plane._update_sample_kernel.lower(*form, update)
     for name, kernel in lowered.items():
         assert large_copies(kernel.compile().as_text()) == [], name
 
@@ -75,10 +73,10 @@ def test_byte_ring_kernels_do_not_copy_the_ring(sampler):
     frames = {"frame": rng.integers(0, 256, (64, 32, 36)).astype(np.uint8), "terminated": np.zeros(64, bool),
               "truncated": np.zeros(64, bool)}
     plane.ingest(frames)
-    state = plane.state
+    form = plane._kernel_form()
     block = layout.to_ring(layout.pack_host(jax.tree_util.tree_leaves(frames), 0, 64, 64))
-    lowered = {"ingest": plane._ingest_kernel(64, True).lower(state, block, np.int32(64)),
-               "sample": plane._sample_kernel.lower(state.storage, _replace(state, storage=None))}
+    lowered = {"ingest": plane._ingest_kernel(64, True).lower(*form, block, np.int32(64)),
+               "sample": plane._sample_kernel.lower(*form)}
     for name, kernel in lowered.items():
         assert large_copies(kernel.compile().as_text()) == [], name
 
@@ -100,6 +98,22 @@ def test_retiring_stale_items_does_not_copy_a_tree_level(sampler):
     plane = ExperienceDataPlane(spec, CAPACITY, SAMPLERS[sampler](), staleness=Staleness(1, "version"),
                                 mesh=default_mesh(1))
     plane.ingest(dict(batch(1000), version=np.zeros(1000, np.int32)))
-    state = plane.state
-    kernel = plane._version_kernel.lower(state.storage, _replace(state, storage=None), np.int32(3))
+    kernel = plane._version_kernel.lower(*plane._kernel_form(), np.int32(3))
     assert large_copies(kernel.compile().as_text()) == []
+
+
+@pytest.mark.parametrize("sampler", SAMPLERS)
+def test_kernels_take_the_state_counters_as_one_vector(sampler):
+    """Every array through a jit boundary costs dispatch time, so the kernels take the state's scalars (cursor, key,
+    counters, balances) bundled into one vector (_pytree.LeafBundle): the sample kernel's parameters are the large
+    leaves and that vector."""
+    plane = ExperienceDataPlane(SPEC, CAPACITY, SAMPLERS[sampler](), mesh=default_mesh(1))
+    plane.ingest(batch(1000))
+    leaves = jax.tree_util.tree_leaves(plane.state)
+    bundle = plane._bundle
+    assert all(small for leaf, small in zip(leaves, bundle.is_small) if leaf.size == 1)
+    large = sum(not small for small in bundle.is_small)
+    hlo = plane._sample_kernel.lower(*plane._kernel_form()).compile().as_text()
+    entry = hlo[hlo.index("\nENTRY"):]
+    signature = entry[:entry.index("->")]
+    assert signature.count(": ") == large + 1, signature[:300]

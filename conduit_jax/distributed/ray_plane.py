@@ -222,9 +222,8 @@ class ShardServer:
             return mass, size, ignored
 
         self._status_kernel = jax.jit(status)
-        shardings = plane._shardings
-        deliver = functools.partial(_reading_storage, shardings=shardings,
-                                    rest_shardings=dataclasses.replace(shardings, storage=None), num_outputs=3,
+        deliver = functools.partial(_reading_storage, bundle=plane._bundle, storage_large=plane._storage_large,
+                                    num_outputs=3,
                                     compiler_options=runtime.delivery_compiler_options(config.mesh.devices.flat))
 
         def make(k: int):
@@ -349,9 +348,9 @@ class ShardServer:
         if kernel is None:
             kernel = self._kernels[k] = self._make_kernel(k)
         with self.plane._changed:
-            state = self.plane.state
-            rest, packed, mass, size = kernel(state.storage, dataclasses.replace(state, storage=None))
-            self.plane.state = dataclasses.replace(rest, storage=state.storage)
+            self.plane._flush_updates()
+            packed, mass, size = self.plane._run_reading(f"shard-sample[{k}]", kernel)
+            self.plane._counters = None  # a draw of another batch size: the host counters are read again
         rows = np.asarray(packed)
         if n < k:
             # iid uniform draws: any n of them are n iid draws; stratified priority draws: a random subset keeps every
