@@ -99,12 +99,6 @@ class ExperienceDataPlane:
         self.config = config
         self._shardings = replay.shardings(config) if plan is None else plan.shardings(config)
         self.plan = plan
-        # the state, in one or both of two forms that agree: the pytree (``_tree``: what ``plane.state`` returns and
-        # accepts) and the kernels' form (``_form``: storage's large leaves, the rest's large leaves, the small
-        # leaves' vector; see _pytree.LeafBundle). Kernels produce the form; reading plane.state joins it once.
-        self._tree: Optional[ReplayState] = jax.jit(functools.partial(replay.init, config, seed),
-                                                    out_shardings=self._shardings)()
-        self._form: Optional[tuple] = None
         # the status scalars the shell decides on (size, deliverable, limiter balance), kept in step on the host by
         # the same arithmetic the kernels do; reading them from the device would wait for every batch in flight.
         # None: unknown (fresh state assigned from outside), read from the device once.
@@ -118,6 +112,14 @@ class ExperienceDataPlane:
         # ~300 back-to-back priority updates on 8 emulated devices). There, each kernel completes before the next.
         self._one_at_a_time = self.num_shards > 1 and self.mesh.devices.flat[0].platform == "cpu"
         self._build_kernels()
+        # the state, in one or both of two forms that agree: the pytree (``_tree``: what ``plane.state`` returns and
+        # accepts) and the kernels' form (``_form``: storage's large leaves, the rest's large leaves, the small
+        # leaves' vector; see _pytree.LeafBundle). Kernels produce the form; reading plane.state joins it once.
+        bundle = self._bundle
+        large, small = jax.jit(lambda: bundle.split(replay.init(config, seed)),
+                               out_shardings=(bundle.large_shardings, bundle.small_sharding))()
+        self._tree: Optional[ReplayState] = None
+        self._keep_form(large[:self._storage_large], large[self._storage_large:], small)
         self._compiles: collections.Counter = collections.Counter()  # kernel name -> XLA compilations
         self.timeline = metrics.Timeline()  # wall-clock spans per stage (see metrics.py)
         self._changed = threading.Condition()  # guards state; notified after every ingest and sample
