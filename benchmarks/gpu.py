@@ -71,12 +71,13 @@ class ConduitIn(peers.Conduit):
 
         plane = self.plane
         target = jax.tree_util.tree_map(lambda s: s.with_memory_kind(self.kind), plane._shardings)
+        state = plane.state
         start = time.perf_counter()
-        plane.state = jax.device_put(plane.state, target)
-        jax.block_until_ready(plane.state)
+        moved = jax.block_until_ready(jax.device_put(state, target))
         self.place_s = time.perf_counter() - start
         plane._shardings = target  # private: kernels built from now on keep the state in this kind
         plane._build_kernels()
+        plane.state = moved
 
     def actual_kinds(self) -> dict[str, Any]:
         state = self.plane.state

@@ -196,7 +196,7 @@ class ExperienceDataPlane:
     def state(self, value: ReplayState) -> None:
         with self._changed:
             self._flush_updates()  # they were reported against the state being replaced; keep the order of calls
-            self._tree, self._form = value, None
+            self._set_tree(value)
             self._counters = None
 
     def block_until_ready(self) -> "ExperienceDataPlane":
@@ -208,15 +208,20 @@ class ExperienceDataPlane:
 
     def _kernel_form(self) -> tuple:
         """The state as the kernels take it: (storage's large leaves, the rest's large leaves, the small leaves'
-        vector). A state assigned from outside is split here, once. Callers hold ``self._changed``."""
-        if self._form is None:
-            large, small = self._bundle.from_tree(self._tree)
-            self._form = (large[:self._storage_large], large[self._storage_large:], small)
+        vector). Callers hold ``self._changed``."""
         return self._form
 
     def _keep_form(self, storage_large, rest_large, small) -> None:
         """A kernel's new state; the pytree is assembled again only if someone reads it."""
         self._form, self._tree = (tuple(storage_large), tuple(rest_large), small), None
+
+    def _set_tree(self, tree: Optional[ReplayState]) -> None:
+        """A state assigned from outside, split into the kernels' form now (its large leaves are shared, so the
+        pytree stays valid too). None frees the state (a restore does, before reading the saved one)."""
+        self._tree, self._form = tree, None
+        if tree is not None:
+            large, small = self._bundle.from_tree(tree)
+            self._form = (large[:self._storage_large], large[self._storage_large:], small)
 
     def _run_reading(self, name: str, kernel, *args) -> list:
         """Call a kernel built by ``_reading_storage`` on the state (its compilations counted under ``name``), keep
@@ -652,9 +657,9 @@ class ExperienceDataPlane:
         shardings = plan.shardings(config)
         with self._changed:
             moved = jax.device_put(self.state, shardings)
-            self._tree, self._form = moved, None
             self.config, self.mesh, self.plan, self._shardings = config, new_mesh, plan, shardings
             self._build_kernels()
+            self._set_tree(moved)
 
     # -- policy version ---------------------------------------------------------------------------------------------
     def set_policy_version(self, version: int) -> None:
