@@ -203,13 +203,8 @@ class ExperienceDataPlane:
         """Wait until every kernel dispatched on the state so far has finished (``jax.block_until_ready`` on
         ``plane.state``, without assembling the state from the kernels' form)."""
         with self._changed:
-            jax.block_until_ready(self._form if self._form is not None else self._tree)
+            jax.block_until_ready(self._form)
         return self
-
-    def _kernel_form(self) -> tuple:
-        """The state as the kernels take it: (storage's large leaves, the rest's large leaves, the small leaves'
-        vector). Callers hold ``self._changed``."""
-        return self._form
 
     def _keep_form(self, storage_large, rest_large, small) -> None:
         """A kernel's new state; the pytree is assembled again only if someone reads it."""
@@ -226,7 +221,7 @@ class ExperienceDataPlane:
     def _run_reading(self, name: str, kernel, *args) -> list:
         """Call a kernel built by ``_reading_storage`` on the state (its compilations counted under ``name``), keep
         the state it returns, return its outputs. Callers hold ``self._changed``."""
-        storage_large, rest_large, small = self._kernel_form()
+        storage_large, rest_large, small = self._form
         with self._counting_compiles(name):
             rest_large, small, *outputs = self._settled(kernel(storage_large, rest_large, small, *args))
         self._keep_form(storage_large, rest_large, small)
@@ -284,10 +279,9 @@ class ExperienceDataPlane:
                     # the caller's buffers are never aliased, and no op runs on the unpadded shape (which would
                     # compile once per batch size)
                     block, packed = self.config.layout.pack_host(leaves, start, m, rows, self._staging(rows)), True
-                form = self._kernel_form()
                 with self._counting_compiles(f"ingest[{rows}{',packed' if packed else ''}]"):
                     large, small, finished, *reported = self._settled(self._ingest_kernel(rows, packed)(
-                        *form, self.config.layout.to_ring(block) if packed else block, np.int32(m)))
+                        *self._form, self.config.layout.to_ring(block) if packed else block, np.int32(m)))
                 self._keep_form(large[:self._storage_large], large[self._storage_large:], small)
                 if packed:
                     self._last_staging = (block, finished)
@@ -681,9 +675,8 @@ class ExperienceDataPlane:
     def _status(self) -> dict[str, int]:
         with self._changed:
             self._flush_updates()
-            form = self._kernel_form()
             with self._counting_compiles("status"):
-                status = self._status_kernel(*form)
+                status = self._status_kernel(*self._form)
         return {k: int(v) for k, v in jax.device_get(status).items()}
 
     def compile_counts(self) -> dict[str, int]:
