@@ -116,10 +116,9 @@ class ExperienceDataPlane:
         # accepts) and the kernels' form (``_form``: storage's large leaves, the rest's large leaves, the small
         # leaves' vector; see _pytree.LeafBundle). Kernels produce the form; reading plane.state joins it once.
         bundle = self._bundle
-        large, small = jax.jit(lambda: bundle.split(replay.init(config, seed)),
-                               out_shardings=(bundle.large_shardings, bundle.small_sharding))()
         self._tree: Optional[ReplayState] = None
-        self._keep_form(large[:self._storage_large], large[self._storage_large:], small)
+        self._keep_form(*jax.jit(lambda: bundle.split(replay.init(config, seed)),
+                                 out_shardings=(bundle.large_shardings, bundle.small_sharding))())
         self._compiles: collections.Counter = collections.Counter()  # kernel name -> XLA compilations
         self.timeline = metrics.Timeline()  # wall-clock spans per stage (see metrics.py)
         self._changed = threading.Condition()  # guards state; notified after every ingest and sample
@@ -165,8 +164,7 @@ class ExperienceDataPlane:
             replay.set_policy_version(config, state, version),), reports), num_outputs=int(reports))
         self._update_kernel = reading(lambda state, updates: (
             _replace(state, sampler=replay.update(config, state, *_unpacked(updates))),), num_outputs=0)
-        self._status_kernel = jax.jit(lambda storage_large, rest_large, small: replay.status(
-            config, _computable(bundle.join(storage_large + rest_large, small), shardings)))
+        self._status_kernel = jax.jit(lambda *form: replay.status(config, _joined(bundle, *form)))
 
     def _reporting(self, step, reports: bool):
         """``step(state, *args) -> (state', *outputs)``, with the deliverable count after it as one more output when
@@ -206,17 +204,19 @@ class ExperienceDataPlane:
             jax.block_until_ready(self._form)
         return self
 
-    def _keep_form(self, storage_large, rest_large, small) -> None:
-        """A kernel's new state; the pytree is assembled again only if someone reads it."""
-        self._form, self._tree = (tuple(storage_large), tuple(rest_large), small), None
+    def _keep_form(self, large, small) -> None:
+        """A new state in the kernels' form (all its large leaves, the small leaves' vector), kept as ``_form``; the
+        pytree is assembled again only if someone reads it."""
+        self._form = (tuple(large[:self._storage_large]), tuple(large[self._storage_large:]), small)
+        self._tree = None
 
     def _set_tree(self, tree: Optional[ReplayState]) -> None:
         """A state assigned from outside, split into the kernels' form now (its large leaves are shared, so the
         pytree stays valid too). None frees the state (a restore does, before reading the saved one)."""
-        self._tree, self._form = tree, None
+        self._form = None
         if tree is not None:
-            large, small = self._bundle.from_tree(tree)
-            self._form = (large[:self._storage_large], large[self._storage_large:], small)
+            self._keep_form(*self._bundle.from_tree(tree))
+        self._tree = tree
 
     def _run_reading(self, name: str, kernel, *args) -> list:
         """Call a kernel built by ``_reading_storage`` on the state (its compilations counted under ``name``), keep
@@ -224,7 +224,7 @@ class ExperienceDataPlane:
         storage_large, rest_large, small = self._form
         with self._counting_compiles(name):
             rest_large, small, *outputs = self._settled(kernel(storage_large, rest_large, small, *args))
-        self._keep_form(storage_large, rest_large, small)
+        self._keep_form(storage_large + tuple(rest_large), small)
         return outputs
 
     @property
@@ -282,7 +282,7 @@ class ExperienceDataPlane:
                 with self._counting_compiles(f"ingest[{rows}{',packed' if packed else ''}]"):
                     large, small, finished, *reported = self._settled(self._ingest_kernel(rows, packed)(
                         *self._form, self.config.layout.to_ring(block) if packed else block, np.int32(m)))
-                self._keep_form(large[:self._storage_large], large[self._storage_large:], small)
+                self._keep_form(large, small)
                 if packed:
                     self._last_staging = (block, finished)
             self._count_ingest(n, reported)
@@ -324,7 +324,7 @@ class ExperienceDataPlane:
         """The compiled ingest for one bucket of batch rows, for host-packed rows or a pytree of device arrays."""
         kernel = self._ingest_kernels.get((rows, packed))
         if kernel is None:
-            config, shardings, bundle = self.config, self._shardings, self._bundle
+            config, bundle = self.config, self._bundle
 
             def ingest_step(state, batch, n):
                 new_state = replay.ingest(config, state, batch, n, packed=packed)
@@ -335,8 +335,7 @@ class ExperienceDataPlane:
             step = self._reporting(ingest_step, self._reports_deliverable)
 
             def ingest_kernel(storage_large, rest_large, small, batch, n):
-                state = _computable(bundle.join(storage_large + rest_large, small), shardings)
-                new_state, *outputs = step(state, batch, n)
+                new_state, *outputs = step(_joined(bundle, storage_large, rest_large, small), batch, n)
                 return (*bundle.split(new_state), *outputs)
 
             kernel = jax.jit(ingest_kernel, donate_argnums=(0, 1, 2),
@@ -761,14 +760,19 @@ def _reading_storage(step, bundle: LeafBundle, storage_large: int, num_outputs: 
     ``compiler_options``: XLA options of this kernel (see ``runtime.delivery_compiler_options``)."""
 
     def kernel(storage_leaves, rest_leaves, small, *args):
-        state = _computable(bundle.join(storage_leaves + rest_leaves, small), bundle.shardings)
-        new_state, *outputs = step(state, *args[1:] if recycles else args)
+        new_state, *outputs = step(_joined(bundle, storage_leaves, rest_leaves, small),
+                                   *args[1:] if recycles else args)
         large, small = bundle.split(new_state)
         return (large[storage_large:], small, *outputs)
 
     return jax.jit(kernel, donate_argnums=(1, 2, 3) if recycles else (1, 2), keep_unused=recycles,
                    out_shardings=(bundle.large_shardings[storage_large:], bundle.small_sharding)
                    + (None,) * num_outputs, compiler_options=compiler_options)
+
+
+def _joined(bundle: LeafBundle, storage_leaves, rest_leaves, small):
+    """Inside a kernel: the state from its bundled form, every leaf computable (see ``_computable``)."""
+    return _computable(bundle.join(tuple(storage_leaves) + tuple(rest_leaves), small), bundle.shardings)
 
 
 def _recycle_error(where: str, recycle: Delivery, index: int, shape, dtype, sharding) -> SpecError:
