@@ -43,10 +43,11 @@ _runtime: Optional[dict] = None  # what configure_runtime applied (recorded in e
 XLA_THREADS_ENV = "CONDUIT_BENCH_XLA_THREADS"  # run.py --xla-threads sets it; a workload's subprocess inherits it
 # XLA:CPU intra-op pool per workload when nobody chose one: one thread (replay-sized kernels: a hand-off to a second
 # pool thread costs more than it saves), except where a call moves megabytes, which two threads copy faster: W3's
-# frames (b256, batch buffers recycled: 79-86% of memcpy with XLA's own pool of 2 threads here, 50-62% with one) and
-# W4's epochs (the fused 16-minibatch gather: 1.14x NumPy with XLA's pool, 1.44-1.54x with one; the headline row
-# 1.95x either way)
-WORKLOAD_XLA_THREADS = {"w3": "default", "w4": "default"}
+# frames (b256, batch buffers recycled: 79-86% of memcpy with XLA's own pool of 2 threads here, 50-62% with one).
+# W4 moved to one thread once its kernels took the state's scalars as one vector: in nine bench_w4 runs of
+# 2026-12-02 its headline iteration was 1.02-1.30x NumPy's time with one thread (six runs) and 1.50-2.02x with
+# XLA's pool (three), the fused draw 1.31-1.77x against 1.20-2.33x, a minibatch ~120-190 against ~250 us
+WORKLOAD_XLA_THREADS = {"w3": "default"}
 
 
 def xla_threads_setting(workload: Optional[str] = None) -> str:

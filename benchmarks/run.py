@@ -9,7 +9,7 @@
   --no-plots       skip the PNG charts (benchmarks/plots.py; needs matplotlib)
   --results DIR    write the JSON lines (and plots) to DIR instead of benchmarks/results
   --xla-threads N|default   the XLA:CPU intra-op pool of every JAX contender; without it each workload gets its own
-                   (one thread; W3 and W4, whose calls move megabytes, XLA's default), a workload whose setting differs
+                   (one thread; W3, whose calls move megabytes of frames, XLA's default), a workload whose setting differs
                    from the first one's running in a subprocess (the pool is fixed when JAX starts)
 
 Workloads: w1 SAC uniform, w2 SAC PER, w3 Atari frames (batch 256 and 32), w4 PPO epochs, w5 sequences of 32 steps,
@@ -74,7 +74,7 @@ def main(argv=None) -> int:
     parser.add_argument("--xla-threads", default=None, metavar="N|default",
                         help="XLA:CPU intra-op pool threads for the JAX contenders of every workload ('default': one "
                              "per usable CPU, XLA's own choice); without it each workload runs with its own setting "
-                             "(common.WORKLOAD_XLA_THREADS: 1, W3 and W4 'default'), in a subprocess where it differs")
+                             "(common.WORKLOAD_XLA_THREADS: 1, W3 'default'), in a subprocess where it differs")
     parser.add_argument("--results", default=None,
                         help="write the JSON lines and plots here instead of benchmarks/results (the smoke test "
                              "uses a temporary directory)")
