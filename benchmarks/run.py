@@ -9,8 +9,8 @@
   --no-plots       skip the PNG charts (benchmarks/plots.py; needs matplotlib)
   --results DIR    write the JSON lines (and plots) to DIR instead of benchmarks/results
   --xla-threads N|default   the XLA:CPU intra-op pool of every JAX contender; without it each workload gets its own
-                   (one thread; W3, whose calls move megabytes of frames, XLA's default), a workload whose setting differs
-                   from the first one's running in a subprocess (the pool is fixed when JAX starts)
+                   (one thread; W3, whose calls move megabytes of frames, XLA's default), a workload whose setting
+                   differs from the first one's running in a subprocess (the pool is fixed when JAX starts)
 
 Workloads: w1 SAC uniform, w2 SAC PER, w3 Atari frames (batch 256 and 32), w4 PPO epochs, w5 sequences of 32 steps,
 w6 W1 on 1/2/4/8 emulated devices (run in a subprocess with XLA_FLAGS unless this process was started with 8 devices,
