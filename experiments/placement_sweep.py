@@ -29,7 +29,6 @@ if _FLAG not in os.environ.get("XLA_FLAGS", "") and "JAX_NUM_CPU_DEVICES" not in
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" {_FLAG}=8").strip()
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path

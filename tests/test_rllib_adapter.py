@@ -7,6 +7,7 @@ session (``ray_session``) with token auth off and Ray's temp dir inside pytest's
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import pathlib
 import sys
@@ -17,9 +18,8 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("ray.rllib")
 
-try:
-    import conduit_rllib  # noqa: F401
-except ImportError:  # not installed: use the source tree (pip install ./adapters, or the main package's rllib extra)
+if importlib.util.find_spec("conduit_rllib") is None:
+    # not installed: use the source tree (pip install ./adapters, or the main package's rllib extra)
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "adapters"))
 
 import jax  # noqa: E402

@@ -56,6 +56,7 @@ import numpy as np
 
 from conduit_jax.errors import ConduitError, ConfigError, NotEnoughDataError, PriorityError
 from conduit_jax.plane import _reading_storage, checked_priorities
+from conduit_jax.replay import Delivery
 from conduit_jax.spec import ExperienceSpec
 
 SUPPORTED_SAMPLERS = ("uniform", "prioritized")
@@ -835,8 +836,6 @@ class DistributedPlane:
         import jax
         import ray
 
-        from conduit_jax.replay import Delivery
-
         replies, failed = [], False
         try:  # one get for every share (the common case); one by one when some shard failed
             results = ray.get([piece.ref for piece in request.pieces])
@@ -903,7 +902,7 @@ class DistributedPlane:
             time.sleep(0.01)
             self._poll()
 
-    def sample(self, *, timeout: Optional[float] = 0.0) -> "Delivery":  # noqa: F821
+    def sample(self, *, timeout: Optional[float] = 0.0) -> Delivery:
         """One batch drawn now over every live shard, with exact masses (waits for ingests and updates in flight).
         ``Delivery(data, ids int32[B, 4], weights, None)``. With no item on any live shard (or no live shard) waits
         up to ``timeout`` seconds (None: forever) for one, then raises ``NotEnoughDataError`` /
@@ -916,7 +915,7 @@ class DistributedPlane:
         self._settle(exact=False)
         return any(s.alive and s.mass > 0 for s in self._shards)
 
-    def deliver(self, *, timeout: Optional[float] = 0.0) -> "Delivery":  # noqa: F821
+    def deliver(self, *, timeout: Optional[float] = 0.0) -> Delivery:
         """The learner's next batch: drawn during earlier learner steps when ``prefetch`` > 0 (the next requests are
         sent before this one is assembled, so shard round trips overlap the learner's compute). ``timeout`` as for
         ``sample`` when nothing is in flight."""
@@ -956,8 +955,6 @@ class DistributedPlane:
         """Priorities for delivered items: ``ids`` int32[m, 4] as in ``Delivery.ids``, ``priorities`` [m] finite and
         >= 0. Each actor gets its ids in one call; ids of a lost shard generation (an earlier incarnation of a
         restarted actor, or an actor that is down) are ignored and counted."""
-        import ray  # noqa: F401
-
         if not self.priority:
             raise ConfigError(f"update_priorities(): the {self.sampler.name} sampler has no priorities")
         ids_np = np.asarray(ids)
