@@ -81,7 +81,7 @@ def main(argv=None) -> int:
         for shards in (1, 8):
             timings = {}
             start = time.perf_counter()
-            restored = checkpoint.restore(args.dir, mesh=cj.default_mesh(shards), timings=timings)
+            restored = cj.ExperienceDataPlane.restore(args.dir, mesh=cj.default_mesh(shards), timings=timings)
             row = {"what": f"restore onto {shards} shard(s)", "plane_gb": round(gb, 3),
                    "total_s": round(time.perf_counter() - start, 3),
                    **{k: round(v, 3) for k, v in timings.items()}}

@@ -70,14 +70,11 @@ class ConduitIn(peers.Conduit):
         import jax
 
         plane = self.plane
-        target = jax.tree_util.tree_map(lambda s: s.with_memory_kind(self.kind), plane._shardings)
-        state = plane.state
+        target = jax.tree_util.tree_map(lambda s: s.with_memory_kind(self.kind), plane.shardings)
         start = time.perf_counter()
-        moved = jax.block_until_ready(jax.device_put(state, target))
+        plane.place(target)
+        plane.block_until_ready()
         self.place_s = time.perf_counter() - start
-        plane._shardings = target  # private: kernels built from now on keep the state in this kind
-        plane._build_kernels()
-        plane.state = moved
 
     def actual_kinds(self) -> dict[str, Any]:
         state = self.plane.state

@@ -664,23 +664,14 @@ class Conduit(Contender):
         return _tree_nbytes(self.plane.state)
 
     def jit_cache_entries(self) -> Optional[int]:
-        kernels = [self.plane._sample_kernel, *self.plane._ingest_kernels.values(),
-                   *self.plane._recycling_kernels.values()]
-        for attr in ("_update_kernel", "_update_kernels", "_priority_kernel"):
-            extra = getattr(self.plane, attr, None)
-            if isinstance(extra, dict):
-                kernels.extend(extra.values())
-            elif extra is not None:
-                kernels.append(extra)
-        return _jit_cache(*kernels)
+        return sum(self.plane.engine.kernel_cache_sizes().values())
 
     def notes(self) -> dict[str, Any]:
-        from conduit_jax import storage
+        from conduit_jax import engine
 
         config = self.plane.config
         return {"row_bytes": config.layout.row_bytes, "shards": self.plane.num_shards,
-                "ingest_bucket_rows": self.plane.num_shards * storage.bucket_size(
-                    self.chunk, self.plane.num_shards, config.shard_capacity),
+                "ingest_bucket_rows": engine.padded_rows(self.chunk, self.plane.num_shards, config.shard_capacity),
                 "compile_counts": self.plane.compile_counts()}
 
     def release(self) -> None:
@@ -879,7 +870,7 @@ class ConduitEpochs(PPOContender):
         return _tree_nbytes(self.plane.state)
 
     def jit_cache_entries(self) -> Optional[int]:
-        return _jit_cache(self.plane._sample_kernel, *self.plane._ingest_kernels.values())
+        return sum(self.plane.engine.kernel_cache_sizes().values())
 
     def notes(self) -> dict[str, Any]:
         return {"row_bytes": self.plane.config.layout.row_bytes, "compile_counts": self.plane.compile_counts()}

@@ -77,7 +77,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
-from conduit_jax import limits, replay, samplers, storage, sumtree
+from conduit_jax import engine, functional, limits, replay, samplers, storage
 from conduit_jax.errors import ConduitError, ConduitWarning, ConfigError
 from conduit_jax.spec import ExperienceSpec, leaf_name
 
@@ -182,11 +182,11 @@ def save(plane, directory, *, step: Optional[int] = None, max_to_keep: Optional[
     plan = None
     if incremental and _lineages.get(plane, {}).get(directory) is not None:
         # compile the increment kernel outside the plane's lock for the size an increment has now (and twice it)
-        with plane._changed:
+        with plane.held():
             counts = _counts(plane)
         plan = _delta_plan(_lineages[plane][directory], counts, shard_cap)
         if plan is not None:
-            for rows_per_shard in {plan["rows_per_shard"], min(_bucket(2 * plan["rows_per_shard"]), shard_cap)}:
+            for rows_per_shard in {plan["rows_per_shard"], _increment_rows(2 * plan["rows_per_shard"], shard_cap)}:
                 kernels["delta_compiled"](rows_per_shard)
     # a full copy on CPU devices is a memcpy into host buffers allocated and touched here, outside the lock
     buffers = _host_buffers(plane) if on_host and plan is None else None
@@ -205,11 +205,11 @@ def save(plane, directory, *, step: Optional[int] = None, max_to_keep: Optional[
         previous = _last_handle.get(directory)
         base = _lineages.get(plane, {}).get(directory) if incremental else None
 
-        with plane._changed:
+        with plane.held():
             locked = time.perf_counter()
+            outside = plane.host_side()
             # prefetched batches of a sampler that does not consume items are only draws: nothing is lost with them
-            in_flight = len(getattr(plane, "_in_flight", ())) if plane.sampler.consumes else 0
-            host_side = (in_flight, sum(len(ids) for _, ids, _ in getattr(plane, "_queued_updates", ())))
+            host_side = (outside["in_flight"] if plane.sampler.consumes else 0, outside["deferred_updates"])
             counts = _counts(plane)
             delta = None if base is None else _delta_plan(base, counts, shard_cap)
             if delta is not None:  # a kernel compiled above for a size at least this one, if there is one
@@ -256,17 +256,14 @@ def _delta_plan(base: _Lineage, counts, shard_cap: int) -> Optional[dict]:
     written = [now - then for now, then in zip(counts, base.counts)]
     if len(written) != len(base.counts) or not all(0 <= w < shard_cap for w in written):
         return None
-    rows_per_shard = min(_bucket(max(written)), shard_cap)
+    rows_per_shard = _increment_rows(max(written), shard_cap)
     return {"start": [then % shard_cap for then in base.counts], "count": written, "rows_per_shard": rows_per_shard,
             "from_counts": list(base.counts)}
 
 
-def _bucket(n: int) -> int:
-    """``n`` rounded up to 4, 5, 6 or 7 times a power of two: at most 25% padding, few distinct compiled kernels."""
-    if n <= 8:
-        return max(n, 1)
-    quantum = 1 << (n.bit_length() - 3)
-    return -(-n // quantum) * quantum
+def _increment_rows(n: int, shard_cap: int) -> int:
+    """Rows per shard of the kernel that copies an increment of ``n`` rows: at most 1/4 padding (rows cost a copy)."""
+    return engine.compile_size(n, steps_per_octave=4, limit=shard_cap)
 
 
 def _write(handle: SaveHandle, plane, snapshot, meta, previous, max_to_keep, compress, start_time):
@@ -378,12 +375,12 @@ def _metadata(plane, counts, lineage: str, delta, base_step) -> dict:
 def _plane_kernels(plane) -> dict:
     """The plane's snapshot kernels, rebuilt when its config or shardings change (``replan`` moves the state)."""
     cached = _kernels.get(plane)
-    if cached is not None and cached["config"] is plane.config and cached["shardings"] is plane._shardings:
+    if cached is not None and cached["config"] is plane.config and cached["shardings"] is plane.shardings:
         return cached
-    config, shardings = plane.config, plane._shardings
+    config, shardings = plane.config, plane.shardings
     copy = jax.jit(lambda state: jax.tree_util.tree_map(jnp.copy, state), out_shardings=shardings)
     abstract = jax.tree_util.tree_map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                                      _abstract_state(plane), shardings)
+                                      _abstract_state(plane.config), shardings)
     copy_ready = []
 
     def copy_compiled():
@@ -434,8 +431,7 @@ def _plane_kernels(plane) -> dict:
     return kernels
 
 
-def _abstract_state(plane):
-    config = plane.config
+def _abstract_state(config):
     return jax.eval_shape(functools.partial(replay.init, config, 0))
 
 
@@ -456,7 +452,7 @@ def _key(path) -> str:
 def _host_buffers(plane) -> dict[str, np.ndarray]:
     """One host array per state leaf (global shape), every page touched, so the copy under the lock is a memcpy."""
     buffers = {}
-    for name, leaf in _named_leaves(_abstract_state(plane)).items():
+    for name, leaf in _named_leaves(_abstract_state(plane.config)).items():
         buffer = np.empty(leaf.shape, leaf.dtype)
         buffer.reshape(-1).view(np.uint8)[::4096] = 0  # fault the pages in now, not under the lock
         buffers[name] = buffer
@@ -513,7 +509,7 @@ def _crc32(array) -> int:
 # ------------------------------------------------------------------------------------------------------------------
 # restore
 # ------------------------------------------------------------------------------------------------------------------
-def restore(directory, *, step: Optional[int] = None, mesh: Optional[Mesh] = None,
+def restore(directory, build, *, step: Optional[int] = None, mesh: Optional[Mesh] = None,
             sampler: Optional[samplers.Sampler] = None, limiter: Optional[limits.Limiter] = None,
             spec=None, capacity: Optional[int] = None, schedule=None, plan=None, timings: Optional[dict] = None):
     """Rebuild a plane from step ``step`` (default: the newest finished step) of ``directory`` on ``mesh`` (default:
@@ -522,8 +518,10 @@ def restore(directory, *, step: Optional[int] = None, mesh: Optional[Mesh] = Non
     parameters unless given (then they must match the recorded ones; a sampler with a beta schedule must be given); so
     is the delivery schedule unless ``schedule`` is given. ``spec`` and ``capacity``, when given, must match the
     checkpoint's. Raises ``CheckpointError`` for a missing, unfinished, corrupted or mismatching checkpoint. A dict
-    passed as ``timings`` receives the seconds of each phase (metadata, build, read, verify, relayout, place, total)."""
-    from conduit_jax.plane import ExperienceDataPlane, default_mesh
+    passed as ``timings`` receives the seconds of each phase (metadata, build, read, verify, relayout, place, total).
+
+    ``build(spec, capacity, sampler, *, limiter, staleness, cast, mesh | plan, [schedule,] state)`` makes the plane
+    around the state read back: ``ExperienceDataPlane.restore(directory, ...)`` passes its class, the usual way in."""
 
     directory = _directory(directory, "restore()")
     where = f"restore({directory})"
@@ -560,47 +558,46 @@ def restore(directory, *, step: Optional[int] = None, mesh: Optional[Mesh] = Non
                                                                                            where))
     if plan is not None and mesh is not None:
         raise ConfigError(f"{where}: pass mesh or plan, not both (a plan brings its mesh)")
-    mesh = default_mesh() if mesh is None and plan is None else mesh
+    mesh = replay.default_mesh() if mesh is None and plan is None else mesh
     timings["metadata"] = time.perf_counter() - phase
     phase = time.perf_counter()
-    extra = {}
-    schedule = _schedule(meta, schedule, where)
-    if schedule is not None and "schedule" in inspect.signature(ExperienceDataPlane).parameters:
-        extra["schedule"] = schedule
-    if plan is not None:
-        extra["plan"] = plan
-    else:
-        extra["mesh"] = mesh
     try:
-        plane = ExperienceDataPlane(saved_spec, saved_capacity, sampler, limiter=limiter, staleness=staleness,
-                                    cast=bool(meta.get("cast", False)), **extra)
+        config, shardings = functional.configure(saved_spec, saved_capacity, sampler, limiter=limiter,
+                                                 staleness=staleness, mesh=None if plan is not None else mesh,
+                                                 plan=plan)
     except ConfigError as exc:
         raise ConfigError(f"{where}: the checkpoint's plane cannot be built on this mesh / plan: {exc}") from None
+    extra = {"plan": plan} if plan is not None else {"mesh": mesh}
+    schedule = _schedule(meta, schedule, where)
+    if schedule is not None and "schedule" in inspect.signature(build).parameters:
+        extra["schedule"] = schedule
     saved_shards = _field(meta, "num_shards", int, where)
-    abstract = _named_leaves(_abstract_state(plane))
+    abstract = _named_leaves(_abstract_state(config))
     targets = {name: jax.ShapeDtypeStruct(abstract[name].shape, abstract[name].dtype, sharding=sharding)
-               for name, sharding in _named_leaves(plane._shardings).items()}
-    if _field(meta, "row_words", int, where) != plane.config.layout.row_words:
+               for name, sharding in _named_leaves(shardings).items()}
+    if _field(meta, "row_words", int, where) != config.layout.row_words:
         raise CheckpointError(f"{where}: the checkpoint's rows have {meta['row_words']} words, the spec packs into "
-                              f"{plane.config.layout.row_words}: the checkpoint is inconsistent")
-    plane.state = None  # free the empty state before reading the saved one
+                              f"{config.layout.row_words}: the checkpoint is inconsistent")
     timings["build"] = time.perf_counter() - phase
     phase = time.perf_counter()
     # the streams interleaved per shard in the saved rings' row order (version 1: slot order, i.e. one stream)
-    saved_streams = storage.streams_per_shard(plane.sampler.streams, saved_shards) \
+    saved_streams = storage.streams_per_shard(config.sampler.streams, saved_shards) \
         if chain[0][1]["format_version"] >= 2 else 1
-    if saved_shards == plane.num_shards:
-        state = _restore_same_layout(directory, chain, plane, targets, saved_streams, where, timings)
+    if saved_shards == config.num_shards:
+        state = _restore_same_layout(directory, chain, config, targets, saved_streams, where, timings)
+    else:
+        state = _restore_relayout(directory, chain, config, shardings, targets, saved_shards, saved_streams, where,
+                                  timings)
+    plane = build(saved_spec, saved_capacity, config.sampler, limiter=config.limiter, staleness=config.staleness,
+                  cast=bool(meta.get("cast", False)), state=jax.block_until_ready(state), **extra)
+    if saved_shards == config.num_shards:  # the next incremental save here continues this chain
         _lineages.setdefault(plane, {})[directory] = _Lineage(step, _field(meta, "lineage", str, where),
                                                               tuple(int(c) for c in meta["counts"]))
-    else:
-        state = _restore_relayout(directory, chain, plane, targets, saved_shards, saved_streams, where, timings)
-    plane.state = jax.block_until_ready(state)
     timings["total"] = time.perf_counter() - start
     return plane
 
 
-def _restore_same_layout(directory, chain, plane, targets, saved_streams: int, where, timings):
+def _restore_same_layout(directory, chain, config, targets, saved_streams: int, where, timings):
     """Same shard count: orbax reads each array straight into the new plane's sharding; increments are applied on
     the device, shard by shard. Rings saved in slot order (version 1) are put in ring-row order first."""
     first_step, first_meta = chain[0]
@@ -611,25 +608,25 @@ def _restore_same_layout(directory, chain, plane, targets, saved_streams: int, w
             raise CheckpointError(
                 f"{where}: step {step} holds state leaves the plane built from its metadata does not have "
                 f"{sorted(held - set(targets))} and lacks {sorted(set(targets) - held)}: it was written by a version "
-                f"whose {plane.sampler.name} sampler kept other state (e.g. a priority tree for uniform padded "
+                f"whose {config.sampler.name} sampler kept other state (e.g. a priority tree for uniform padded "
                 f"sequences, which keep none now; restore it with that version), or its metadata is damaged")
-    layout = plane.config.layout
+    layout = config.layout
     base_targets = dict(targets if len(chain) == 1 else {_ROWS: targets[_ROWS]})
     base_targets[_ROWS] = _saved_rows_target(first_meta, _ROWS, targets[_ROWS])
     base = _read_arrays(directory, first_step, first_meta, base_targets, where, timings)
     rows = base[_ROWS] = _in_ring_units(base[_ROWS], layout)
-    if saved_streams != plane.config.streams_per_shard:
-        rows = base[_ROWS] = _slot_order_to_ring_rows_kernel(plane.config)(rows)
-    spec_axes = P(plane.config.axes)
+    if saved_streams != config.streams_per_shard:
+        rows = base[_ROWS] = _slot_order_to_ring_rows_kernel(config)(rows)
+    spec_axes = P(config.axes)
     for inc_step, inc_meta in chain[1:]:
         delta_meta = inc_meta["delta"]
         d = delta_meta["rows_per_shard"]
-        wanted = jax.ShapeDtypeStruct((plane.num_shards * d, layout.ring_width), layout.ring_dtype,
-                                      sharding=NamedSharding(plane.mesh, spec_axes))
+        wanted = jax.ShapeDtypeStruct((config.num_shards * d, layout.ring_width), layout.ring_dtype,
+                                      sharding=NamedSharding(config.mesh, spec_axes))
         delta_target = {_DELTA: _saved_rows_target(inc_meta, _DELTA, wanted)}
         delta = _in_ring_units(_read_arrays(directory, inc_step, inc_meta, delta_target, where, timings)[_DELTA],
                                layout)
-        rows = _apply_delta_kernel(plane.config, d)(rows, delta, np.asarray(delta_meta["start"], np.int32),
+        rows = _apply_delta_kernel(config, d)(rows, delta, np.asarray(delta_meta["start"], np.int32),
                                                     np.asarray(delta_meta["count"], np.int32))
     if len(chain) > 1:
         small = {name: t for name, t in targets.items() if name != _ROWS}
@@ -637,13 +634,14 @@ def _restore_same_layout(directory, chain, plane, targets, saved_streams: int, w
         arrays[_ROWS] = rows
     else:
         arrays = base
-    return _unflatten_like(_abstract_state(plane), arrays, where)
+    return _unflatten_like(_abstract_state(config), arrays, where)
 
 
-def _restore_relayout(directory, chain, plane, targets, saved_shards: int, saved_streams: int, where, timings):
+def _restore_relayout(directory, chain, config, shardings, targets, saved_shards: int, saved_streams: int, where,
+                      timings):
     """Another shard count: read the saved arrays on one device, reassemble and re-lay them out on the host, then
-    place them with the new plane's shardings."""
-    device = plane.mesh.devices.flat[0]
+    place them with the new buffer's shardings."""
+    device = config.mesh.devices.flat[0]
     first_step, first_meta = chain[0]
     last_step, last_meta = chain[-1]
     single = SingleDeviceSharding(device)
@@ -655,8 +653,8 @@ def _restore_relayout(directory, chain, plane, targets, saved_shards: int, saved
                 out[name] = jax.ShapeDtypeStruct(tuple(info["shape"]), jnp.dtype(info["dtype"]), sharding=single)
         return out
 
-    layout = plane.config.layout
-    capacity, ring_width = plane.capacity, layout.ring_width
+    layout = config.layout
+    capacity, ring_width = config.capacity, layout.ring_width
     old_cap = capacity // saved_shards
     if len(chain) == 1:
         old = {k: np.asarray(v) for k, v in _read_arrays(directory, first_step, first_meta,
@@ -687,16 +685,16 @@ def _restore_relayout(directory, chain, plane, targets, saved_shards: int, saved
         raise CheckpointError(f"{where}: storage rows have shape {old[_ROWS].shape}, expected {(capacity, ring_width)}")
     phase = time.perf_counter()
     try:
-        new = _relayout(old, plane, saved_shards, saved_streams, targets, where)
+        new = _relayout(old, config, saved_shards, saved_streams, targets, where)
     except (KeyError, IndexError, ValueError) as exc:
         if isinstance(exc, CheckpointError):
             raise
-        raise CheckpointError(f"{where}: the saved state cannot be laid out for {plane.num_shards} shards "
+        raise CheckpointError(f"{where}: the saved state cannot be laid out for {config.num_shards} shards "
                               f"({type(exc).__name__}: {exc}): the checkpoint is inconsistent") from None
     timings["relayout"] = time.perf_counter() - phase
     phase = time.perf_counter()
-    state = jax.block_until_ready(jax.device_put(_unflatten_like(_abstract_state(plane), new, where),
-                                                 plane._shardings))
+    state = jax.block_until_ready(jax.device_put(_unflatten_like(_abstract_state(config), new, where),
+                                                 shardings))
     timings["place"] = time.perf_counter() - phase
     return state
 
@@ -722,10 +720,10 @@ def _scatter_rows(rows, at, block):
     return rows.at[at].set(block, mode="drop")
 
 
-def _relayout(old: dict, plane, saved_shards: int, saved_streams: int, targets: dict, where: str) -> dict:
+def _relayout(old: dict, config, saved_shards: int, saved_streams: int, targets: dict, where: str) -> dict:
     """The saved arrays of an ``saved_shards``-shard plane (``saved_streams`` streams per ring, see
-    ``storage.ring_row``), laid out for ``plane``'s shard count (host NumPy)."""
-    capacity, shards = plane.capacity, plane.num_shards
+    ``storage.ring_row``), laid out for ``config``'s shard count (host NumPy)."""
+    capacity, shards = config.capacity, config.num_shards
     old_cap, new_cap = capacity // saved_shards, capacity // shards
     cursor, laps = old["storage.cursor"].astype(np.int64), old["storage.laps"].astype(np.int64)
     counts = laps * old_cap + cursor
@@ -736,9 +734,8 @@ def _relayout(old: dict, plane, saved_shards: int, saved_streams: int, targets: 
                               f"{total} items: the checkpoint is inconsistent")
     items = np.arange(max(0, total - capacity), total, dtype=np.int64)
     old_slot, new_slot = (items // saved_shards) % old_cap, (items // shards) % new_cap
-    old_at, new_at = (items % saved_shards) * old_cap + old_slot, (items % shards) * new_cap + new_slot
     old_row_at = (items % saved_shards) * old_cap + storage.ring_row(old_slot, saved_streams, old_cap)
-    new_row_at = (items % shards) * new_cap + plane.config.ring_row(new_slot)
+    new_row_at = (items % shards) * new_cap + config.ring_row(new_slot)
     new_counts = np.array([max(0, -(-(total - s) // shards)) for s in range(shards)], np.int64)
     out = {}
     rows = np.zeros_like(old[_ROWS])
@@ -749,37 +746,20 @@ def _relayout(old: dict, plane, saved_shards: int, saved_streams: int, targets: 
     out["storage.cursor"] = (new_counts % new_cap).astype(np.int32)
     out["storage.laps"] = (new_counts // new_cap).astype(np.int32)
     out["storage.next_shard"] = np.asarray(total % shards, np.int32)
-    sampler_state = _abstract_state(plane).sampler
-    if isinstance(sampler_state, samplers.PriorityState):
-        old_levels = sorted((n for n in old if n.startswith("sampler.levels.")), key=lambda n: int(n.split(".")[-1]))
-        new_levels = sorted((n for n in targets if n.startswith("sampler.levels.")),
-                            key=lambda n: int(n.split(".")[-1]))
-        old_leaf_count = old[old_levels[-1]].shape[0] // saved_shards
-        new_leaf_count = targets[new_levels[-1]].shape[0] // shards
-        leaves = np.zeros((shards * new_leaf_count,), np.float32)
-        leaves[(items % shards) * new_leaf_count + (items // shards) % new_cap] = \
-            old[old_levels[-1]][(items % saved_shards) * old_leaf_count + (items // saved_shards) % old_cap]
-        for name, level in zip(new_levels, sumtree.from_leaves(leaves, len(new_levels))):
-            out[name] = np.asarray(level)
-        if "sampler.times_sampled" in targets:
-            times = np.zeros((capacity,), np.int32)
-            times[new_at] = old["sampler.times_sampled"][old_at]
-            out["sampler.times_sampled"] = times
-    elif isinstance(sampler_state, samplers.QueueState):
-        delivered = total - int(old["sampler.pending"])
-        if delivered < 0 or delivered % shards or delivered % saved_shards or \
-                int(old["sampler.head"]) != (delivered // saved_shards) % old_cap:
-            raise CheckpointError(f"{where}: the FIFO queue's head {int(old['sampler.head'])} and pending count "
-                                  f"{int(old['sampler.pending'])} do not fit {total} ingested items on "
-                                  f"{saved_shards} shards: the checkpoint is inconsistent")
-        out["sampler.head"] = np.asarray((delivered // shards) % new_cap, np.int32)
+    sampler = config.sampler
+    if sampler.relayout is not None:  # per-item sampler state moves with its items: the sampler's own rule
+        moves = samplers.ItemMoves(items, total, saved_shards, shards, capacity)
+        prefix = "sampler."
+        saved = {name[len(prefix):]: value for name, value in old.items() if name.startswith(prefix)}
+        wanted = {name[len(prefix):]: value for name, value in targets.items() if name.startswith(prefix)}
+        out.update({prefix + name: value for name, value in sampler.relayout(saved, moves, wanted).items()})
     for name, target in targets.items():
         if name in out:
             continue
         if name not in old:
             raise CheckpointError(f"{where}: the checkpoint has no state leaf '{name}'")
         if target.shape != () or old[name].shape != ():
-            raise CheckpointError(f"{where}: cannot re-lay out state leaf '{name}' of the {plane.sampler.name} "
+            raise CheckpointError(f"{where}: cannot re-lay out state leaf '{name}' of the {config.sampler.name} "
                                   f"sampler from {saved_shards} to {shards} shards")
         out[name] = old[name]
     return out

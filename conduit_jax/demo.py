@@ -31,7 +31,8 @@ from jax.sharding import PartitionSpec as P
 
 from conduit_jax import samplers
 from conduit_jax.errors import ConfigError
-from conduit_jax.plane import ExperienceDataPlane, default_mesh
+from conduit_jax.plane import ExperienceDataPlane
+from conduit_jax.replay import default_mesh
 from conduit_jax.spec import ExperienceSpec
 
 SAMPLERS = ("uniform", "fifo", "epochs")

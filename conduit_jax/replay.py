@@ -13,13 +13,14 @@ from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from conduit_jax import storage
-from conduit_jax._pytree import state_dataclass
-from conduit_jax.errors import ConfigError
+from conduit_jax._pytree import replace, state_dataclass
+from conduit_jax.errors import ConfigError, SpecError
 from conduit_jax.limits import Limiter, LimiterState, Staleness
 from conduit_jax.samplers import InsertView, Sampler, ShardView
 
@@ -32,16 +33,25 @@ class ReplayState:
     policy_version: jax.Array  # int32[]: the learner's current policy version (see limits.Staleness)
     stale_draws: jax.Array  # int32[]: drawn rows masked out because their item was too old
 
+    def replace(self, **changes) -> "ReplayState":
+        """A copy with the given fields changed (``storage=None`` leaves a tree without the ring)."""
+        return replace(self, **changes)
+
 
 class Delivery(NamedTuple):
     """A sampled batch: ``data`` in the spec's structure with a leading batch axis (and a time axis for sequences),
     ``ids`` int32[B, 2] as (global row, generation) of each item or window start, importance weights float32[B] for
-    prioritized samplers (else None), and for padded sequences ``mask`` bool[B, T] (else None)."""
+    prioritized samplers (else None), and for padded sequences ``mask`` bool[B, T] (else None).
+
+    ``valid`` (bool[], from the functional API's ``sample``): False when the state could not deliver a batch (too few
+    items, or the rate limiter refused); the state is then returned unchanged, ``ids`` are -1, ``weights`` 0, and
+    ``data`` is not a delivery (do not learn from it). None from the plane, which refuses such a call on the host."""
 
     data: Any
     ids: jax.Array
     weights: Optional[jax.Array]
     mask: Optional[jax.Array] = None
+    valid: Optional[jax.Array] = None
 
 
 class ReplayConfig(NamedTuple):
@@ -72,6 +82,22 @@ class ReplayConfig(NamedTuple):
     def ring_row(self, slots):
         """The rows of a shard's ring that hold ``slots``."""
         return storage.ring_row(slots, self.streams_per_shard, self.shard_capacity)
+
+
+DEFAULT_AXIS = "shard"
+
+
+def default_mesh(num_devices: Optional[int] = None, axis: str = DEFAULT_AXIS) -> Mesh:
+    """A 1-D mesh over the first ``num_devices`` local devices (all by default), axis type Auto."""
+    devices = jax.local_devices()
+    num = len(devices) if num_devices is None else num_devices
+    if not isinstance(num, (int, np.integer)) or isinstance(num, bool) or not 1 <= num <= len(devices):
+        raise ConfigError(f"default_mesh(): num_devices must be in [1, {len(devices)}], got {num_devices!r} (an int: "
+                          f"how many local devices)")
+    num = int(num)
+    if not isinstance(axis, str):
+        raise ConfigError(f"default_mesh(): axis must be a str (the mesh axis name), got {axis!r}")
+    return jax.make_mesh((num,), (axis,), axis_types=(AxisType.Auto,), devices=devices[:num])
 
 
 def init(config: ReplayConfig, seed: int) -> ReplayState:
@@ -156,6 +182,17 @@ def ingest(config: ReplayConfig, state: ReplayState, batch, n, *, packed: bool =
 # sample
 # ------------------------------------------------------------------------------------------------------------------
 CACHE_RESIDENT_BYTES = 16 << 20  # a ring this small stays in the last-level cache while it is sampled
+
+
+def check_batch(config: ReplayConfig, batch, where: str, cast: bool = False) -> int:
+    """The item count of ``batch`` (a pytree of the spec's leaves with a leading item axis); SpecError naming the leaf
+    and what was expected unless it matches the spec and holds whole steps of the sampler's streams."""
+    n = config.layout.spec.validate(batch, cast=cast, where=where)
+    streams, name = config.sampler.streams, config.sampler.name
+    if n % streams:
+        raise SpecError(f"{where}: the {name} sampler takes whole steps of {streams} streams (time-major), so a batch "
+                        f"must hold a multiple of {streams} items; got {n}")
+    return n
 
 
 def check_batches(config: ReplayConfig, batches, where: str = "sample()") -> None:
@@ -245,10 +282,7 @@ def sample(config: ReplayConfig, state: ReplayState, batches: Optional[int] = No
         mask = keep if mask is None else mask & keep[..., None]
     stale_draws = state.stale_draws
     if config.staleness is not None:
-        version = data
-        for part in config.staleness.key.split("/"):
-            version = version[part]
-        fresh = version >= state.policy_version - config.staleness.max_versions
+        fresh = is_fresh(config, data, state.policy_version)
         first_fresh = fresh[..., 0] if time_axis else fresh
         stale_draws = stale_draws + jnp.sum(~first_fresh).astype(jnp.int32)
         mask = fresh if mask is None else mask & fresh
@@ -256,6 +290,15 @@ def sample(config: ReplayConfig, state: ReplayState, batches: Optional[int] = No
                             config.limiter.on_sample(state.limiter, config.sampler.batch_size * (batches or 1)),
                             state.policy_version, stale_draws)
     return new_state, Delivery(data, ids, weights, mask)
+
+
+def is_fresh(config: ReplayConfig, data, policy_version):
+    """bool per delivered item (per step of a window): its policy version is at most ``staleness.max_versions``
+    behind ``policy_version``."""
+    version = data
+    for part in config.staleness.key.split("/"):
+        version = version[part]
+    return version >= policy_version - config.staleness.max_versions
 
 
 # ------------------------------------------------------------------------------------------------------------------

@@ -154,3 +154,17 @@ def delivery_compiler_options(devices) -> dict:
     step (MLP 64-64-64-5, batch 4,096, Adam) took 2.90 ms instead of 2.75, a net loss over an iteration's 16
     updates (one process, interleaved, 2026-12-02)."""
     return dict(CPU_DELIVERY_COMPILER_OPTIONS) if {d.platform for d in devices} == {"cpu"} else {}
+
+
+def refuse_under_trace(where: str, instead: str) -> None:
+    """ConfigError when called while JAX traces a function (``jax.jit``, ``lax.scan``, ``vmap``).
+
+    The plane's methods run on the host and change the plane: under a trace they would leave a tracer in it (the
+    next ``len(plane)`` raises ``UnexpectedTracerError``). Code inside a trace uses the functional API instead."""
+    from jax._src.core import trace_state_clean  # no public equivalent in JAX 0.10; 0.3 us a call
+
+    if not trace_state_clean():
+        raise ConfigError(f"{where}: called under a JAX trace (jax.jit, lax.scan, vmap); the plane's methods run on "
+                          f"the host and cannot be traced. Inside jitted code use the functional API: buffer = "
+                          f"plane.buffer() (or conduit_jax.make_buffer(...)), state = plane.state, then {instead}; "
+                          f"assign the final state back with plane.state = state")

@@ -20,6 +20,7 @@ from typing import Any, Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from conduit_jax import storage, sumtree
@@ -53,6 +54,30 @@ class InsertView(NamedTuple):
     read: Callable[[str, jax.Array], jax.Array]  # read(leaf name, slots): stored values after the write
 
 
+class ItemMoves(NamedTuple):
+    """Where every stored item goes when a state is laid out for another shard count (a checkpoint restored onto
+    another mesh). Round-robin dealing puts item g (its insertion index) at shard ``g % S``, slot ``(g // S) %
+    (capacity / S)``; the stored items are always the last ``min(total, capacity)`` ones. Host NumPy."""
+
+    items: np.ndarray  # int64[n]: insertion index of every stored item, oldest first
+    total: int  # items ever inserted
+    saved_shards: int
+    shards: int
+    capacity: int
+
+    def saved_at(self, per_shard: int) -> np.ndarray:
+        """Each item's index in a saved per-item array laid out shard-major with ``per_shard`` entries a shard."""
+        return _dealt(self.items, self.saved_shards, self.capacity, per_shard)
+
+    def new_at(self, per_shard: int) -> np.ndarray:
+        """Each item's index in the new layout's array of ``per_shard`` entries a shard."""
+        return _dealt(self.items, self.shards, self.capacity, per_shard)
+
+
+def _dealt(items: np.ndarray, shards: int, capacity: int, per_shard: int) -> np.ndarray:
+    return (items % shards) * per_shard + (items // shards) % (capacity // shards)
+
+
 class Selection(NamedTuple):
     slots: jax.Array  # int32[B] (global draws) or int32[B // shards] (shard-local): slots in the owner's ring
     owner: Optional[jax.Array]  # int32[B]: shard that owns each draw, or None for shard-local selections
@@ -74,6 +99,9 @@ class Sampler(NamedTuple):
     consumes: delivery removes items (queues): ingest refuses to overwrite undelivered ones
     sampling_retires: a non-consuming sampler whose draws can lower ``deliverable`` (items retired after
         ``max_times_sampled`` deliveries); otherwise only inserts and retirements change it
+    relayout(saved, ItemMoves, target) -> leaves: the state laid out for another shard count, on the host. ``saved``
+        and the result map leaf names ('levels.0', 'head') to NumPy arrays, ``target`` names to the new layout's
+        ``jax.ShapeDtypeStruct``; leaves it leaves out carry over unchanged (0-d only). None: no per-item state.
     """
 
     name: str
@@ -94,6 +122,7 @@ class Sampler(NamedTuple):
     streams: int = 1  # environments per ingest step; batches hold multiples of it
     needs: tuple[str, ...] = ()  # leaves the spec must have (boolean episode ends)
     mask: Optional[Callable[[Any], jax.Array]] = None  # data [B, T, ...] -> bool[B, T] valid-step mask
+    relayout: Optional[Callable[[dict, ItemMoves, dict], dict]] = None
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -223,8 +252,11 @@ def epochs(batch_size: int) -> Sampler:
         epoch = jnp.where(fresh, state.epoch + 1, state.epoch)
         step = jnp.where(fresh, 0, state.step)
         epoch_size = jnp.where(fresh, view.size, state.epoch_size)
-        position = step * batch_size + lax.iota(jnp.int32, batch_size)
-        rank = feistel_permute(position, epoch_size, mix32(state.key ^ epoch))
+        # a draw with fewer than a batch of items (the functional API computes it, then flags it invalid) must still
+        # terminate: the cycle walk needs every position inside [0, n) and n >= 1
+        domain = jnp.maximum(epoch_size, 1)
+        position = (step * batch_size + lax.iota(jnp.int32, batch_size)) % domain
+        rank = feistel_permute(position, domain, mix32(state.key ^ epoch))
         owner, slot = rank_to_slot(rank, view.num_shards)
         return EpochState(state.key, epoch, step + 1, epoch_size), Selection(slot, owner, None)
 
@@ -272,7 +304,19 @@ def fifo(batch_size: int) -> Sampler:
         sample=sample,
         deliverable=lambda state, size: state.pending,
         consumes=True,
+        relayout=_relayout_queue,
     )
+
+
+def _relayout_queue(saved: dict, moves: ItemMoves, target: dict) -> dict:
+    """Every shard reads its rows in lockstep: the head is the slot after the items delivered so far."""
+    delivered = moves.total - int(saved["pending"])
+    old_cap = moves.capacity // moves.saved_shards
+    if delivered < 0 or delivered % moves.shards or delivered % moves.saved_shards or \
+            int(saved["head"]) != (delivered // moves.saved_shards) % old_cap:
+        raise ValueError(f"the FIFO queue's head {int(saved['head'])} and pending count {int(saved['pending'])} do not "
+                         f"fit {moves.total} ingested items on {moves.saved_shards} shards")
+    return {"head": np.asarray((delivered // moves.shards) % (moves.capacity // moves.shards), np.int32)}
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -384,7 +428,26 @@ def _priority_sampler(name: str, batch_size: int, alpha: float, beta, eps: float
     return Sampler(name=name, batch_size=batch_size, min_items=1, init=init,
                    on_insert=insert, sample=sample, update=update, weigh=weigh, retire=retire,
                    deliverable=None if max_times_sampled is None else _has_mass,
-                   sampling_retires=max_times_sampled is not None)
+                   sampling_retires=max_times_sampled is not None, relayout=_relayout_priorities)
+
+
+def _relayout_priorities(saved: dict, moves: ItemMoves, target: dict) -> dict:
+    """Each item's sum-tree leaf (and delivery count) moves with it; the levels above are rebuilt from the leaves."""
+    def levels(names):
+        return sorted((n for n in names if n.startswith("levels.")), key=lambda n: int(n.split(".")[-1]))
+
+    saved_levels, new_levels = levels(saved), levels(target)
+    saved_leaves = saved[saved_levels[-1]]
+    leaves = np.zeros(target[new_levels[-1]].shape, np.float32)
+    leaves[moves.new_at(leaves.shape[0] // moves.shards)] = \
+        saved_leaves[moves.saved_at(saved_leaves.shape[0] // moves.saved_shards)]
+    out = {name: np.asarray(level) for name, level in zip(new_levels, sumtree.from_leaves(leaves, len(new_levels)))}
+    if "times_sampled" in target:
+        times = np.zeros(target["times_sampled"].shape, np.int32)
+        times[moves.new_at(moves.capacity // moves.shards)] = \
+            saved["times_sampled"][moves.saved_at(moves.capacity // moves.saved_shards)]
+        out["times_sampled"] = times
+    return out
 
 
 def _mass(priority, alpha: float, eps: float):

@@ -21,9 +21,11 @@ batch never holds items older than the staleness bound allows.
 
 from __future__ import annotations
 
+import warnings
 from typing import NamedTuple
 
-from conduit_jax.errors import ConfigError
+from conduit_jax import runtime
+from conduit_jax.errors import ConduitWarning, ConfigError
 
 
 class Schedule(NamedTuple):
@@ -66,3 +68,13 @@ def deferred(k: int = 2, depth: int = 2) -> Schedule:
 def adaptive(max_depth: int = 4, k: int = 1) -> Schedule:
     return Schedule("adaptive", depth=_positive(max_depth, "max_depth", "adaptive"),
                     defer=_positive(k, "k", "adaptive", low=0), adaptive=True)
+
+
+def warn_if_synchronous(schedule: Schedule, devices, stacklevel: int = 2) -> None:
+    """ConduitWarning when ``schedule`` prefetches on devices that compute each dispatch before it returns."""
+    if schedule.depth and runtime.prefetch_is_synchronous(devices):
+        warnings.warn(f"ExperienceDataPlane(): schedule {schedule.name} prefetches, but JAX's CPU async dispatch is "
+                      f"off (jax_cpu_enable_async_dispatch=False; configure_cpu()'s default), so each prefetched "
+                      f"batch is computed inside the deliver() that dispatches it and nothing hides behind the "
+                      f"learner; use configure_cpu(async_dispatch=True) or schedule.sync()", ConduitWarning,
+                      stacklevel=stacklevel + 1)

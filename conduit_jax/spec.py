@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from conduit_jax.errors import SpecError
+from conduit_jax.errors import PriorityError, SpecError
 
 # Dtypes the packed row storage can hold. 64-bit types are not among them: with x64 off JAX narrows them silently.
 SUPPORTED_DTYPES = tuple(
@@ -171,3 +171,41 @@ class ExperienceSpec:
         if problems:
             raise SpecError(f"{where}: " + "; ".join(problems))
         return int(counts[0])
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# priority updates (host side)
+# ------------------------------------------------------------------------------------------------------------------
+def checked_priorities(priorities, count: int, where: str = "update_priorities()") -> np.ndarray:
+    """``priorities`` as float32[count] after checking them (shape, real numbers, finite, >= 0); else PriorityError."""
+    prio_np = np.asarray(priorities)
+    if prio_np.shape != (count,):
+        raise PriorityError(f"{where}: priorities must have shape ({count},), one per id, got {list(prio_np.shape)}")
+    if count == 0:
+        raise PriorityError(f"{where}: ids is empty; pass at least one id")
+    if prio_np.dtype.kind not in "iuf":  # real numbers (dtype kinds: numpy's issubdtype costs ~1.5 us a call)
+        raise PriorityError(f"{where}: priorities must be real numbers, got dtype {prio_np.dtype}")
+    prio_np = prio_np.astype(np.float32)
+    bad = ~np.isfinite(prio_np) | (prio_np < 0)
+    if bad.any():
+        i = int(np.argmax(bad))
+        raise PriorityError(f"{where}: priorities must be finite and >= 0; {int(bad.sum())} are not, the first at "
+                            f"index {i} is {prio_np[i]}")
+    return prio_np
+
+
+def checked_priority_update(ids, priorities, capacity: int, where: str = "update_priorities()"):
+    """(ids int32[m, 2], priorities float32[m]) after checking both against a buffer of ``capacity``; else
+    PriorityError naming the bad entry."""
+    ids_np = np.asarray(ids)
+    if ids_np.ndim != 2 or ids_np.shape[1] != 2 or ids_np.dtype.kind not in "iu":
+        raise PriorityError(f"{where}: ids must be an integer array of shape (m, 2) as in Delivery.ids, got "
+                            f"{ids_np.dtype}{list(ids_np.shape)}")
+    prio_np = checked_priorities(priorities, ids_np.shape[0], where)
+    rows, generations = ids_np[:, 0], ids_np[:, 1]
+    unknown = (rows < 0) | (rows >= capacity) | (generations < 1)
+    if unknown.any():
+        i = int(np.argmax(unknown))
+        raise PriorityError(f"{where}: ids[{i}] = {ids_np[i].tolist()} is not an id of this plane (rows are in "
+                            f"[0, {capacity}), generations >= 1)")
+    return ids_np.astype(np.int32), prio_np

@@ -362,12 +362,3 @@ def write(rows, cursor, laps, block, count, streams: int = 1):
 def gather(rows, slots):
     """rows[slots] for in-range slots (the samplers guarantee the range)."""
     return rows.at[slots].get(mode="promise_in_bounds")
-
-
-def bucket_size(n: int, num_shards: int, shard_capacity: int) -> int:
-    """Per-shard rows of the compiled ingest kernel for an ``n``-item batch: a power of two, at most the ring size.
-
-    One compiled kernel per bucket keeps a varying batch size from recompiling on every call.
-    """
-    per_shard = -(-n // num_shards)
-    return min(1 << (per_shard - 1).bit_length(), shard_capacity)

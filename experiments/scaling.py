@@ -49,7 +49,7 @@ import numpy as np
 
 from benchmarks.bench_w6 import DEVICES, FLAG
 from conduit_jax import ExperienceDataPlane, default_mesh, placement, samplers
-from conduit_jax.plane import DEFAULT_AXIS
+from conduit_jax.replay import DEFAULT_AXIS
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SPEC = {"obs": jax.ShapeDtypeStruct((32,), jnp.float32), "next_obs": jax.ShapeDtypeStruct((32,), jnp.float32),
@@ -214,7 +214,7 @@ def measure_actors(actors: int, sampler_name: str, seconds: float, checkpoint_ro
         # a learner step of LEARNER_STEP_S between deliveries: exposed latency with and without prefetch
         for depth in (0, 2):
             plane.prefetch = depth
-            plane._in_flight.clear()
+            plane.discard_prefetched()
             exposed = []
 
             def step(exposed=exposed):

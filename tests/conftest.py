@@ -11,7 +11,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
-from conduit_jax.plane import default_mesh  # noqa: E402
+from conduit_jax.replay import default_mesh  # noqa: E402
 
 assert jax.device_count() == 8, "tests need 8 emulated CPU devices; XLA_FLAGS was set too late"
 # The suite is compile-bound: many tests build planes whose kernels are the same XLA programs. JAX's persistent
@@ -86,8 +86,51 @@ def status_reads(monkeypatch):
 
     def count(plane):
         reads = []
-        read = plane._status
-        monkeypatch.setattr(plane, "_status", lambda: reads.append(1) or read())
+        read = plane.engine.status
+        monkeypatch.setattr(plane.engine, "status", lambda: reads.append(1) or read())
         return reads
 
     return count
+
+
+class FunctionalPlane:
+    """The functional API behind the plane's host calls, so one test body checks both: each call is the ``Buffer``'s
+    pure function under ``jax.jit`` with the state donated, as a learner's jitted loop runs it. A sample the state
+    cannot serve raises ``NotEnoughDataError`` here (the functional call itself returns ``valid=False``)."""
+
+    def __init__(self, spec, capacity, sampler=None, *, mesh=None, seed=0, **kwargs):
+        import conduit_jax as cj
+
+        self.buffer = cj.make_buffer(spec, capacity, sampler, mesh=mesh, **kwargs)
+        self.config, self.sampler = self.buffer.config, self.buffer.config.sampler
+        self.capacity, self.num_shards, self.batch_size = capacity, self.config.num_shards, self.sampler.batch_size
+        self.state = self.buffer.init(seed)
+        self._ingest = jax.jit(self.buffer.ingest, donate_argnums=0)
+        self._sample = jax.jit(self.buffer.sample, donate_argnums=0)
+        self._update = jax.jit(self.buffer.update, donate_argnums=0)
+
+    def ingest(self, batch):
+        self.state = self._ingest(self.state, batch)
+
+    def sample(self):
+        from conduit_jax import NotEnoughDataError
+
+        self.state, delivery = self._sample(self.state)
+        if not bool(delivery.valid):
+            raise NotEnoughDataError("the functional sample was flagged invalid")
+        return delivery
+
+    def update_priorities(self, ids, priorities):
+        self.state = self._update(self.state, ids, priorities)
+
+    def can_sample(self):
+        return bool(jax.jit(self.buffer.can_sample)(self.state))
+
+
+@pytest.fixture(params=["plane", "functional"])
+def front(request):
+    """The class a test builds its buffer with: ``ExperienceDataPlane`` or the functional API behind the same calls
+    (``FunctionalPlane``), so statistical and bad-input test bodies run through both."""
+    from conduit_jax import ExperienceDataPlane
+
+    return ExperienceDataPlane if request.param == "plane" else FunctionalPlane

@@ -154,7 +154,7 @@ def test_round_trip_is_bit_exact_and_keeps_delivering_the_same_batches(kind, mes
     feed(plane, kind)
     handle = checkpoint.save(plane, tmp_path, block=True)
     assert handle.step == 0 and handle.kind == "full" and handle.total_s >= handle.blocked_s >= 0
-    restored = checkpoint.restore(tmp_path, mesh=mesh)
+    restored = ExperienceDataPlane.restore(tmp_path, mesh=mesh)
     assert restored.spec == plane.spec and restored.capacity == plane.capacity
     assert restored.sampler.params == plane.sampler.params and restored.limiter.params == plane.limiter.params
     assert_same_state(plane.state, restored.state)
@@ -163,7 +163,7 @@ def test_round_trip_is_bit_exact_and_keeps_delivering_the_same_batches(kind, mes
         from jax.sharding import AxisType
         other = jax.make_mesh((2, 4), ("host", "local"), axis_types=(AxisType.Auto, AxisType.Auto),
                               devices=jax.devices()[::-1])
-        others.append(checkpoint.restore(tmp_path, mesh=other))
+        others.append(ExperienceDataPlane.restore(tmp_path, mesh=other))
         assert others[0].state.storage.rows.sharding.mesh.axis_names == ("host", "local")
         assert_same_state(plane.state, others[0].state)
     for _ in range(3):  # the random streams, queue heads and priorities continue where they were
@@ -183,9 +183,9 @@ def test_restore_onto_other_shard_counts_equals_a_plane_built_there(kind, tmp_pa
     original = make(kind, default_mesh(8))
     calls = feed(original, kind)
     checkpoint.save(original, tmp_path / "s8", block=True)
-    four = checkpoint.restore(tmp_path / "s8", mesh=default_mesh(4))
+    four = ExperienceDataPlane.restore(tmp_path / "s8", mesh=default_mesh(4))
     checkpoint.save(four, tmp_path / "s4", block=True)
-    one = checkpoint.restore(tmp_path / "s4", mesh=default_mesh(1))
+    one = ExperienceDataPlane.restore(tmp_path / "s4", mesh=default_mesh(1))
     for restored in (four, one):
         assert_same_items(original, restored)  # rows, priorities and the sum trees above them
         if kind in ("fifo", "sequences"):  # queue head; window eligibility (it depends on the items alone)
@@ -226,7 +226,7 @@ def test_version_1_rings_in_slot_order_are_read_and_converted(tmp_path, monkeypa
         calls = feed(original, "sequences")
         checkpoint.save(original, tmp_path / "v1", block=True)
     for shards in (2, 4, 1):  # the same shard count (converted on the device), and re-laid out on the host
-        restored = checkpoint.restore(tmp_path / "v1", mesh=default_mesh(shards))
+        restored = ExperienceDataPlane.restore(tmp_path / "v1", mesh=default_mesh(shards))
         expected = make("sequences", default_mesh(shards))
         for call in calls:
             if call[0] == "ingest":
@@ -263,14 +263,14 @@ def test_byte_rings_round_trip_increment_and_relayout(kind, tmp_path):
     for start in (40, 80, 120):  # 160 items: the ring wraps
         plane.ingest(frame_batch(start, 40))
         assert checkpoint.save(plane, tmp_path, incremental=True, block=True).kind == "incremental"
-    restored = checkpoint.restore(tmp_path, mesh=default_mesh(2))
+    restored = ExperienceDataPlane.restore(tmp_path, mesh=default_mesh(2))
     assert_same_state(plane.state, restored.state)
     assert_same_delivery(plane.sample(), restored.sample())
     for shards in (4, 1):
         expected = frame_plane(kind, shards)
         for start in range(0, 160, 40):
             expected.ingest(frame_batch(start, 40))
-        assert_same_items(expected, checkpoint.restore(tmp_path, mesh=default_mesh(shards)))
+        assert_same_items(expected, ExperienceDataPlane.restore(tmp_path, mesh=default_mesh(shards)))
 
 
 def test_version_2_byte_rings_saved_as_words_are_read_and_converted(tmp_path, monkeypatch):
@@ -286,7 +286,7 @@ def test_version_2_byte_rings_saved_as_words_are_read_and_converted(tmp_path, mo
         for start in (0, 40):
             plane.ingest(frame_batch(start, 40))
             checkpoint.save(plane, tmp_path, incremental=True, block=True)
-    continued = checkpoint.restore(tmp_path, mesh=default_mesh(2))
+    continued = ExperienceDataPlane.restore(tmp_path, mesh=default_mesh(2))
     assert continued.state.storage.rows.dtype == np.uint8
     for start in (80, 120):  # version-3 increments on the version-2 chain
         continued.ingest(frame_batch(start, 40))
@@ -295,10 +295,10 @@ def test_version_2_byte_rings_saved_as_words_are_read_and_converted(tmp_path, mo
         expected = frame_plane("sequences", shards)
         for start in range(0, 160, 40):
             expected.ingest(frame_batch(start, 40))
-        restored = checkpoint.restore(tmp_path, mesh=default_mesh(shards))
+        restored = ExperienceDataPlane.restore(tmp_path, mesh=default_mesh(shards))
         assert np.array_equal(jax.device_get(expected.state.storage.rows), jax.device_get(restored.state.storage.rows))
         assert_same_items(expected, restored)
-    middle = checkpoint.restore(tmp_path, step=1, mesh=default_mesh(2))  # the version-2 chain alone
+    middle = ExperienceDataPlane.restore(tmp_path, step=1, mesh=default_mesh(2))  # the version-2 chain alone
     reference = frame_plane("sequences", 2)
     for start in (0, 40):
         reference.ingest(frame_batch(start, 40))
@@ -322,14 +322,14 @@ def test_memory_kinds_of_a_plan_and_a_replan_survive_the_checkpoint(tmp_path):
     feed(plane, "prioritized")
     checkpoint.save(plane, tmp_path, incremental=True, block=True)
     assert checkpoint.metadata(tmp_path)["plan"]["memory"]["storage"] == "pinned_host"
-    restored = checkpoint.restore(tmp_path, plan=pinned)
+    restored = ExperienceDataPlane.restore(tmp_path, plan=pinned)
     assert restored.state.storage.rows.sharding.memory_kind == "pinned_host"
     assert_same_state(plane.state, restored.state)
     plane.replan(device)
     plane.ingest(batch(500, 40))
     handle = checkpoint.save(plane, tmp_path, incremental=True, block=True)
     assert handle.kind == "incremental"
-    onto_device = checkpoint.restore(tmp_path, plan=device)
+    onto_device = ExperienceDataPlane.restore(tmp_path, plan=device)
     assert onto_device.state.storage.rows.sharding.memory_kind == "device"
     assert_same_state(plane.state, onto_device.state)
     assert_same_delivery(plane.sample(), onto_device.sample())
@@ -353,12 +353,12 @@ def test_incremental_steps_hold_only_new_rows_and_reassemble(mesh, tmp_path):
     plane.ingest(batch(120, 40))  # 160 items: the ring wraps
     third = checkpoint.save(plane, tmp_path, incremental=True, block=True)
     assert third.kind == "incremental" and third.base_step == second.step
-    restored = checkpoint.restore(tmp_path, mesh=mesh)
+    restored = ExperienceDataPlane.restore(tmp_path, mesh=mesh)
     assert_same_state(plane.state, restored.state)
     other = default_mesh(1 if plane.num_shards == 8 else 8)  # the chain re-laid out for another shard count
-    assert_same_items(restored, checkpoint.restore(tmp_path, mesh=other))
+    assert_same_items(restored, ExperienceDataPlane.restore(tmp_path, mesh=other))
     assert_same_delivery(plane.sample(), restored.sample())
-    middle = checkpoint.restore(tmp_path, step=second.step, mesh=mesh)
+    middle = ExperienceDataPlane.restore(tmp_path, step=second.step, mesh=mesh)
     assert [p for p, _ in at_second] == [p for p, _ in host_leaves(middle.state)]
     for (path, x), (_, y) in zip(at_second, host_leaves(middle.state)):
         assert np.array_equal(x, y), path
@@ -366,7 +366,7 @@ def test_incremental_steps_hold_only_new_rows_and_reassemble(mesh, tmp_path):
     restored.ingest(batch(160, 40))
     fourth = checkpoint.save(restored, tmp_path, incremental=True, block=True)
     assert fourth.kind == "incremental" and fourth.base_step == third.step
-    assert_same_state(restored.state, checkpoint.restore(tmp_path, mesh=mesh).state)
+    assert_same_state(restored.state, ExperienceDataPlane.restore(tmp_path, mesh=mesh).state)
     # once a shard has been rewritten all the way round, an increment would be a full copy: it is one
     for start in range(200, 360, 40):
         restored.ingest(batch(start, 40))
@@ -383,8 +383,8 @@ def test_increments_of_a_stream_major_ring(shards, tmp_path):
     for start in (40, 80, 120):  # 160 items: the ring wraps
         plane.ingest(batch(start, 40))
         assert checkpoint.save(plane, tmp_path, incremental=True, block=True).kind == "incremental"
-    assert_same_state(plane.state, checkpoint.restore(tmp_path, mesh=default_mesh(shards)).state)
-    assert_same_items(plane, checkpoint.restore(tmp_path, mesh=default_mesh(4)))
+    assert_same_state(plane.state, ExperienceDataPlane.restore(tmp_path, mesh=default_mesh(shards)).state)
+    assert_same_items(plane, ExperienceDataPlane.restore(tmp_path, mesh=default_mesh(4)))
 
 
 def test_retention_keeps_the_newest_steps_and_the_bases_they_need(tmp_path):
@@ -402,7 +402,7 @@ def test_retention_keeps_the_newest_steps_and_the_bases_they_need(tmp_path):
     checkpoint.save(plane, tmp_path, max_to_keep=2, block=True)
     assert checkpoint.all_steps(tmp_path) == [7, 8]
     with pytest.raises(CheckpointError, match=r"no finished step 2; the directory has steps \[7, 8\]"):
-        checkpoint.restore(tmp_path, step=2, mesh=default_mesh(1))
+        ExperienceDataPlane.restore(tmp_path, step=2, mesh=default_mesh(1))
     with pytest.raises(ConfigError, match="steps only increase"):
         checkpoint.save(plane, tmp_path, step=5)
 
@@ -422,7 +422,7 @@ def test_async_save_holds_the_state_at_the_call_while_ingest_and_sample_go_on(co
         plane.update_priorities(plane.sample().ids, np.full(16, 3.0))
     handle.wait()
     assert handle.done() and handle.total_s is not None and handle.blocked_s < handle.total_s
-    restored = host_leaves(checkpoint.restore(tmp_path, mesh=default_mesh(8)).state)
+    restored = host_leaves(ExperienceDataPlane.restore(tmp_path, mesh=default_mesh(8)).state)
     for (path, x), (_, y) in zip(expected, restored):
         assert np.array_equal(x, y), path
 
@@ -453,7 +453,7 @@ def test_saves_taken_while_another_thread_ingests_are_consistent_snapshots(tmp_p
         thread.join()
     totals = []
     for h in handles:
-        restored = checkpoint.restore(tmp_path, step=h.step, mesh=default_mesh(1))
+        restored = ExperienceDataPlane.restore(tmp_path, step=h.step, mesh=default_mesh(1))
         view = item_view(restored)
         offset = restored.config.layout.slots[restored.spec.names.index("g")].offset
         stored_g = view["rows"][:, offset].view(np.int32)
@@ -501,7 +501,7 @@ def test_a_save_killed_mid_write_leaves_the_previous_step_restorable(tmp_path):
         assert child.returncode == -signal.SIGKILL
         assert checkpoint.all_steps(directory) == [0]  # the interrupted step 1 is not a checkpoint
         timings = {}
-        restored = checkpoint.restore(directory, mesh=default_mesh(1), timings=timings)
+        restored = ExperienceDataPlane.restore(directory, mesh=default_mesh(1), timings=timings)
         crcs = {name: checkpoint._crc32(np.asarray(leaf))
                 for name, leaf in checkpoint._named_leaves(jax.device_get(restored.state)).items()}
         assert crcs == json.loads(expected.read_text())
@@ -546,12 +546,12 @@ def _array_files(directory):
 
 def test_missing_checkpoints_are_refused(tmp_path):
     with pytest.raises(CheckpointError, match="no such directory"):
-        checkpoint.restore(tmp_path / "nowhere")
+        ExperienceDataPlane.restore(tmp_path / "nowhere")
     with pytest.raises(CheckpointError, match="no finished checkpoint"):
-        checkpoint.restore(tmp_path)
+        ExperienceDataPlane.restore(tmp_path)
     (tmp_path / "3.orbax-checkpoint-tmp-123").mkdir()
     with pytest.raises(CheckpointError, match=r"unfinished saves of steps \[3\]"):
-        checkpoint.restore(tmp_path)
+        ExperienceDataPlane.restore(tmp_path)
 
 
 @pytest.mark.parametrize("damage", ["truncate", "flip", "delete", "no arrays"])
@@ -572,7 +572,7 @@ def test_corrupted_or_partial_arrays_are_refused(saved, damage):
     else:
         os.remove(target)
     with pytest.raises(CheckpointError, match="partial or corrupted|corrupted"):
-        checkpoint.restore(directory, mesh=default_mesh(1))
+        ExperienceDataPlane.restore(directory, mesh=default_mesh(1))
     gc.collect()  # let orbax's abandoned reads go now (see pytestmark)
 
 
@@ -585,20 +585,20 @@ def test_corrupted_or_foreign_metadata_is_refused(saved):
     with open(meta_file, "w") as f:
         f.write(original[: len(original) // 2])
     with pytest.raises(CheckpointError, match="metadata of step 0 cannot be read"):
-        checkpoint.restore(directory, mesh=default_mesh(1))
+        ExperienceDataPlane.restore(directory, mesh=default_mesh(1))
     for change, message in ((("format_version", 99), "format version 99"),
                             (("format", "something else"), "not a Conduit-JAX plane checkpoint"),
                             (("row_words", 3), "rows have 3 words")):
         with open(meta_file, "w") as f:
             json.dump({**meta, change[0]: change[1]}, f)
         with pytest.raises(CheckpointError, match=message):
-            checkpoint.restore(directory, mesh=default_mesh(1))
+            ExperienceDataPlane.restore(directory, mesh=default_mesh(1))
     bad_crc = {**meta, "arrays": {**meta["arrays"], "storage.cursor": {**meta["arrays"]["storage.cursor"],
                                                                       "crc32": 1}}}
     with open(meta_file, "w") as f:
         json.dump(bad_crc, f)
     with pytest.raises(CheckpointError, match=r"\['storage.cursor'\] of step 0 do not match their recorded digests"):
-        checkpoint.restore(directory, mesh=default_mesh(1))
+        ExperienceDataPlane.restore(directory, mesh=default_mesh(1))
 
 
 def test_mismatching_expectations_are_refused_with_what_differs(saved):
@@ -606,16 +606,16 @@ def test_mismatching_expectations_are_refused_with_what_differs(saved):
     mesh = default_mesh(1)
     other_spec = {**SPEC, "g": jax.ShapeDtypeStruct((2,), jnp.int32)}
     with pytest.raises(CheckpointError, match=r"spec .* not the given .*g: int32\[2\]"):
-        checkpoint.restore(directory, mesh=mesh, spec=other_spec)
+        ExperienceDataPlane.restore(directory, mesh=mesh, spec=other_spec)
     with pytest.raises(CheckpointError, match="capacity 128, not the given 256"):
-        checkpoint.restore(directory, mesh=mesh, capacity=256)
+        ExperienceDataPlane.restore(directory, mesh=mesh, capacity=256)
     with pytest.raises(CheckpointError, match=r"sampler prioritized\(.*alpha=0.7.*\), not the given prioritized\("
                                               r".*alpha=0.6"):
-        checkpoint.restore(directory, mesh=mesh, sampler=samplers.prioritized(16, alpha=0.6, beta=0.5,
+        ExperienceDataPlane.restore(directory, mesh=mesh, sampler=samplers.prioritized(16, alpha=0.6, beta=0.5,
                                                                               max_times_sampled=4))
     with pytest.raises(CheckpointError, match="limiter min_size"):
-        checkpoint.restore(directory, mesh=mesh, limiter=limits.min_size(5))
-    ok = checkpoint.restore(directory, mesh=mesh, spec=SPEC, capacity=CAPACITY, sampler=sampler_of("prioritized"),
+        ExperienceDataPlane.restore(directory, mesh=mesh, limiter=limits.min_size(5))
+    ok = ExperienceDataPlane.restore(directory, mesh=mesh, spec=SPEC, capacity=CAPACITY, sampler=sampler_of("prioritized"),
                             limiter=limits.min_size(1))
     assert_same_state(plane.state, ok.state)
     for error in (CheckpointError, ConduitError, ValueError):
@@ -631,8 +631,8 @@ def test_a_beta_schedule_needs_the_sampler_passed_explicitly(tmp_path):
     plane.sample()
     checkpoint.save(plane, tmp_path, block=True)
     with pytest.raises(CheckpointError, match="beta schedule"):
-        checkpoint.restore(tmp_path, mesh=default_mesh(1))
-    restored = checkpoint.restore(tmp_path, mesh=default_mesh(1), sampler=samplers.prioritized(16, beta=schedule))
+        ExperienceDataPlane.restore(tmp_path, mesh=default_mesh(1))
+    restored = ExperienceDataPlane.restore(tmp_path, mesh=default_mesh(1), sampler=samplers.prioritized(16, beta=schedule))
     assert_same_delivery(plane.sample(), restored.sample())
 
 
@@ -654,7 +654,7 @@ def test_the_whole_configuration_comes_back(tmp_path):
     checkpoint.save(plane, tmp_path, block=True)
     meta = checkpoint.metadata(tmp_path)
     assert meta["spec"]["leaves"][0] == {"name": "pair/[0]", "shape": [2], "dtype": "bfloat16"}
-    restored = checkpoint.restore(tmp_path, mesh=default_mesh(1))
+    restored = ExperienceDataPlane.restore(tmp_path, mesh=default_mesh(1))
     assert restored.spec == plane.spec and restored.cast
     assert restored.limiter.name == limiter.name and restored.config.staleness == limits.Staleness(2)
     assert_same_state(plane.state, restored.state)
@@ -671,7 +671,7 @@ def test_prefetched_batches_outside_the_state_are_reported_and_the_schedule_come
     plane.deliver()  # leaves batches in flight: drawn from the sampler, held on the host
     with pytest.warns(ConduitWarning, match="prefetched batches"):
         checkpoint.save(plane, tmp_path, block=True)
-    restored = checkpoint.restore(tmp_path, mesh=default_mesh(1))
+    restored = ExperienceDataPlane.restore(tmp_path, mesh=default_mesh(1))
     assert restored.schedule == plane.schedule
 
 
@@ -697,9 +697,9 @@ def test_plane_save_applies_deferred_updates_and_refuses_in_flight_queue_batches
     plane.ingest({"x": np.arange(16, dtype=np.int32)})
     delivery = plane.deliver()
     plane.update_priorities(delivery.ids, np.full(4, 100.0, np.float32))
-    assert plane._queued_updates
+    assert plane.host_side()["deferred_updates"] == 4
     plane.save(tmp_path / "per", block=True)
-    assert not plane._queued_updates
+    assert plane.host_side()["deferred_updates"] == 0
     restored = cj.ExperienceDataPlane.restore(tmp_path / "per", mesh=cj.default_mesh(1))
     assert float(restored.state.sampler.max_priority) == 100.0
 

@@ -92,17 +92,6 @@ def test_route_prefers_the_producers_node():
         route("a", nodes, [False] * 4, 0)
 
 
-def test_bucket_sizes():
-    assert [ray_plane._bucket(n, 1) for n in (1, 2, 3, 5, 8, 9, 16, 17, 63, 64, 65, 66, 100)] == \
-        [1, 2, 4, 8, 8, 16, 16, 18, 64, 64, 72, 72, 104]
-    for n in range(17, 2000):
-        k = ray_plane._bucket(n, 1)
-        assert n <= k < n + n / 8
-    assert len({ray_plane._bucket(n, 1) for n in range(1, 1025)}) <= 5 + 8 * 6
-    assert [ray_plane._bucket(n, 4) for n in (1, 5, 9, 65)] == [4, 8, 16, 72]
-    assert ray_plane._bucket(5, 3) == 9
-
-
 # ------------------------------------------------------------------------------------------------------------------
 # On a local Ray cluster
 # ------------------------------------------------------------------------------------------------------------------

@@ -26,3 +26,41 @@ def test_public_api_resolves():
     for name in ("CapacityError", "ConfigError", "NotEnoughDataError", "SpecError"):
         assert issubclass(getattr(conduit_jax, name), conduit_jax.ConduitError)
         assert issubclass(getattr(conduit_jax, name), ValueError)
+
+
+def test_no_import_cycle_between_modules():
+    """Every ``conduit_jax`` import (top level or inside a function) points one way: a module never reaches itself
+    again through others (a package importing its own submodules, and they the package's other submodules, aside)."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "conduit_jax"
+    paths = {}
+    for path in root.rglob("*.py"):
+        parts = path.relative_to(root.parent).with_suffix("").parts
+        paths[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph = {}
+    for module, path in paths.items():
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("conduit_jax"):
+                # `from package import submodule` imports the submodule; `from module import name`, the module
+                targets |= {f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in paths else node.module
+                            for alias in node.names}
+            elif isinstance(node, ast.Import):
+                targets |= {alias.name for alias in node.names if alias.name.startswith("conduit_jax")}
+        graph[module] = targets
+
+    def family(a, b):  # a package and its own submodules
+        return a.startswith(b + ".") or b.startswith(a + ".")
+
+    def reaches(start, goal, seen):
+        for target in graph.get(start, ()):
+            if target in graph and target not in ("conduit_jax", start) and not family(start, target) \
+                    and target not in seen:
+                if target == goal or reaches(target, goal, seen | {target}):
+                    return True
+        return False
+
+    cycles = [m for m in graph if m != "conduit_jax" and reaches(m, m, set())]
+    assert cycles == [], f"modules in an import cycle: {cycles}"

@@ -48,14 +48,14 @@ def large_copies(hlo: str) -> list[str]:
 def test_no_kernel_copies_the_ring_or_a_tree_level(sampler):
     plane = ExperienceDataPlane(SPEC, CAPACITY, SAMPLERS[sampler](), mesh=default_mesh(1))
     plane.ingest(batch(1000))
-    form = plane._form
+    engine = plane.engine
     block = plane.config.layout.pack_host(jax.tree_util.tree_leaves(batch(1000, 1)), 0, 1000, 1024)
-    lowered = {"ingest": plane._ingest_kernel(1024, True).lower(*form, block, np.int32(1000)),
-               "sample": plane._sample_kernel.lower(*form)}
+    lowered = {"ingest": engine.lowered("ingest", 1024, block, np.int32(1000)),
+               "sample": engine.lowered("sample")}
     if plane.sampler.update is not None:
         update = np.zeros((32, 4), np.int32)  # 32 packed updates (id row, generation, priority bits, valid)
-        lowered["update"] = plane._update_kernel.lower(*form, update)
-        lowered["update+sample"] = plane._update_sample_kernel.lower(*form, update)
+        lowered["update"] = engine.lowered("update", update)
+        lowered["update+sample"] = engine.lowered("update+sample", update)
     for name, kernel in lowered.items():
         assert large_copies(kernel.compile().as_text()) == [], name
 
@@ -73,10 +73,10 @@ def test_byte_ring_kernels_do_not_copy_the_ring(sampler):
     frames = {"frame": rng.integers(0, 256, (64, 32, 36)).astype(np.uint8), "terminated": np.zeros(64, bool),
               "truncated": np.zeros(64, bool)}
     plane.ingest(frames)
-    form = plane._form
+    engine = plane.engine
     block = layout.to_ring(layout.pack_host(jax.tree_util.tree_leaves(frames), 0, 64, 64))
-    lowered = {"ingest": plane._ingest_kernel(64, True).lower(*form, block, np.int32(64)),
-               "sample": plane._sample_kernel.lower(*form)}
+    lowered = {"ingest": engine.lowered("ingest", 64, block, np.int32(64)),
+               "sample": engine.lowered("sample")}
     for name, kernel in lowered.items():
         assert large_copies(kernel.compile().as_text()) == [], name
 
@@ -98,7 +98,7 @@ def test_retiring_stale_items_does_not_copy_a_tree_level(sampler):
     plane = ExperienceDataPlane(spec, CAPACITY, SAMPLERS[sampler](), staleness=Staleness(1, "version"),
                                 mesh=default_mesh(1))
     plane.ingest(dict(batch(1000), version=np.zeros(1000, np.int32)))
-    kernel = plane._version_kernel.lower(*plane._form, np.int32(3))
+    kernel = plane.engine.lowered("version", np.int32(3))
     assert large_copies(kernel.compile().as_text()) == []
 
 
@@ -110,10 +110,10 @@ def test_kernels_take_the_state_counters_as_one_vector(sampler):
     plane = ExperienceDataPlane(SPEC, CAPACITY, SAMPLERS[sampler](), mesh=default_mesh(1))
     plane.ingest(batch(1000))
     leaves = jax.tree_util.tree_leaves(plane.state)
-    bundle = plane._bundle
+    bundle = plane.engine.bundle
     assert all(small for leaf, small in zip(leaves, bundle.is_small) if leaf.size == 1)
     large = sum(not small for small in bundle.is_small)
-    hlo = plane._sample_kernel.lower(*plane._form).compile().as_text()
+    hlo = plane.engine.lowered("sample").compile().as_text()
     entry = hlo[hlo.index("\nENTRY"):]
     signature = entry[:entry.index("->")]
     assert signature.count(": ") == large + 1, signature[:300]

@@ -8,8 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conduit_jax import engine
 from conduit_jax import (CapacityError, ConduitError, ConfigError, ExperienceDataPlane, ExperienceSpec,
-                         NotEnoughDataError, SpecError, default_mesh, samplers, storage)
+                         NotEnoughDataError, SpecError, default_mesh, make_buffer, samplers, storage)
 
 ITEM = {
     "obs": {"pixels": np.zeros((4, 3), np.uint8), "mask": np.zeros((5,), np.bool_)},
@@ -79,7 +80,7 @@ SAME_BUCKET = {1: (17, 23, 29), 8: (41, 47, 53)}
 def test_no_recompilation_on_later_calls(mesh, to_device):
     plane = ExperienceDataPlane(SPEC, 64, samplers.uniform(16), mesh=mesh)
     sizes = SAME_BUCKET[plane.num_shards]
-    buckets = {storage.bucket_size(n, plane.num_shards, plane.config.shard_capacity) for n in sizes}
+    buckets = {engine.padded_rows(n, plane.num_shards, plane.config.shard_capacity) for n in sizes}
     assert len(buckets) == 1
     batches = [batch(0, n) for n in sizes]
     if to_device:
@@ -174,6 +175,21 @@ def test_bad_batch_rejected_state_unchanged(loaded_plane, state_snapshot, name):
     assert {k: v for k, v in loaded_plane.stats().items() if not k.endswith("_s")} == stats_before
 
 
+@pytest.mark.parametrize("name", list(BAD_BATCHES))
+def test_bad_batch_rejected_by_the_functional_ingest(name):
+    """The same bad batches through the functional API: refused when ``Buffer.ingest`` is traced, with the same
+    message body, so a user's jitted step fails to compile instead of storing garbage. Called eagerly here: under
+    jax.jit, JAX itself narrows int64 / float64 inputs (x64 off) and refuses strings before the function sees them."""
+    make, words = BAD_BATCHES[name]
+    buffer = make_buffer(SPEC, 32, samplers.uniform(8), mesh=default_mesh(1))
+    with pytest.raises(SpecError) as info:
+        buffer.ingest(buffer.init(), make())
+    msg = str(info.value)
+    assert msg.startswith("Buffer.ingest(): ")
+    for word in words:
+        assert word in msg, f"{word!r} not in {msg!r}"
+
+
 def test_sample_from_empty_plane(mesh, state_snapshot):
     plane = ExperienceDataPlane(SPEC, 16, samplers.uniform(8), mesh=mesh)
     check = state_snapshot(plane)
@@ -217,14 +233,15 @@ BAD_CONFIGS = {
 }
 
 
+@pytest.mark.parametrize("make", [ExperienceDataPlane, make_buffer], ids=["plane", "functional"])
 @pytest.mark.parametrize("name", list(BAD_CONFIGS))
-def test_bad_constructor_arguments(name):
+def test_bad_constructor_arguments(name, make):
     kwargs, devices, words = BAD_CONFIGS[name]
     kwargs = {"capacity": 16, "sampler": samplers.uniform(8), **kwargs}
     with pytest.raises(ConfigError) as info:
-        ExperienceDataPlane(SPEC, kwargs.pop("capacity"), kwargs.pop("sampler"), mesh=default_mesh(devices), **kwargs)
+        make(SPEC, kwargs.pop("capacity"), kwargs.pop("sampler"), mesh=default_mesh(devices), **kwargs)
     msg = str(info.value)
-    assert msg.startswith("ExperienceDataPlane(): ")
+    assert msg.startswith(f"{make.__name__}(): ")
     for word in words:
         assert word in msg, f"{word!r} not in {msg!r}"
 
@@ -323,10 +340,10 @@ def test_back_to_back_ingests_through_the_reused_staging_array(mesh):
         plane.ingest(batch(start, 8))
     jax.block_until_ready(plane.state)
     plane.ingest(batch(40, 8))  # the previous ingest has finished: its staging array is packed again
-    reused = plane._last_staging[0]
+    reused = plane.engine.staging
     jax.block_until_ready(plane.state)
     plane.ingest(batch(48, 8))
-    assert plane._last_staging[0] is reused
+    assert plane.engine.staging is reused
     g = _expect_items(plane.sample(), batch(0, 56))
     assert sorted(g.tolist()) == list(range(56))
 
@@ -338,12 +355,12 @@ def test_ingest_after_the_state_went_through_a_users_jit(mesh):
     plane.ingest(batch(0, 8))
     step = jax.jit(plane.sample_fn(), donate_argnums=0)
     plane.ingest(batch(8, 8))
-    reused = plane._last_staging[0]
+    reused = plane.engine.staging
     state, first = step(plane.state)
     plane.state = state
     jax.block_until_ready(first)
     plane.ingest(batch(16, 8))
-    assert plane._last_staging[0] is reused
+    assert plane.engine.staging is reused
     plane.ingest(batch(24, 8))
     assert sorted(_expect_items(first, batch(0, 16)).tolist()) == list(range(16))
     assert sorted(_expect_items(plane.sample(), batch(0, 32)).tolist()) == list(range(16, 32))
@@ -483,7 +500,7 @@ def test_deliver_recycles_into_the_next_dispatch_and_refuses_a_queued_batch(stat
         assert previous.ids.is_deleted()  # the batch dispatched behind this one went into its buffers
         _assert_same_delivery(plain.deliver(), delivery)
         previous = delivery
-    queued = recycling._in_flight[0]
+    queued = recycling.in_flight()[0]
     check = state_snapshot(recycling)
     with pytest.raises(SpecError, match=r"deliver\(\): recycle is a batch still queued for deliver\(\)"):
         recycling.deliver(recycle=queued)

@@ -13,14 +13,14 @@ import pytest
 from scipy import stats
 
 from conduit_jax import ConfigError, ExperienceDataPlane, NotEnoughDataError, PriorityError, samplers
-from conduit_jax.plane import default_mesh
+from conduit_jax.replay import default_mesh
 
 SPEC = {"g": jax.ShapeDtypeStruct((), np.int32)}
 P_MIN = 1e-3  # chi-square tests reject below this p-value (fixed seeds: a pass is deterministic)
 
 
-def make_plane(mesh, capacity, sampler, seed=0):
-    return ExperienceDataPlane(SPEC, capacity, sampler, mesh=mesh, seed=seed)
+def make_plane(mesh, capacity, sampler, seed=0, front=ExperienceDataPlane):
+    return front(SPEC, capacity, sampler, mesh=mesh, seed=seed)
 
 
 def ingest_range(plane, start, stop):
@@ -64,9 +64,10 @@ def reference_weights(probability, n, beta):
 
 
 # -- the draw distribution ------------------------------------------------------------------------------------------
-def test_marginal_distribution_matches_per_law_with_mass_skewed_onto_one_shard(mesh):
+def test_marginal_distribution_matches_per_law_with_mass_skewed_onto_one_shard(mesh, front):
     capacity, batch, alpha, eps = 64, 64, 0.6, 0.05
-    plane = make_plane(mesh, capacity, samplers.prioritized(batch, alpha=alpha, beta=0.4, eps=eps), seed=3)
+    plane = make_plane(mesh, capacity, samplers.prioritized(batch, alpha=alpha, beta=0.4, eps=eps), seed=3,
+                       front=front)
     shards = plane.num_shards
     ingest_range(plane, 0, capacity)
     rng = np.random.default_rng(0)
@@ -99,11 +100,12 @@ def test_marginal_distribution_matches_per_law_with_mass_skewed_onto_one_shard(m
 
 
 # -- importance weights ---------------------------------------------------------------------------------------------
-def test_importance_weights_match_reference_on_partly_filled_buffer(mesh):
+def test_importance_weights_match_reference_on_partly_filled_buffer(mesh, front):
     """N is the number of stored items (40 of 64 slots), P(i) uses only stored items, weights are
     (N * P(i))^-beta / max over the batch, equal to the reference within float32 rounding (rtol 1e-5)."""
     capacity, stored, batch, alpha, beta, eps = 64, 40, 32, 0.7, 0.5, 1e-3
-    plane = make_plane(mesh, capacity, samplers.prioritized(batch, alpha=alpha, beta=beta, eps=eps), seed=1)
+    plane = make_plane(mesh, capacity, samplers.prioritized(batch, alpha=alpha, beta=beta, eps=eps), seed=1,
+                       front=front)
     shards = plane.num_shards
     ingest_range(plane, 0, stored)
     rng = np.random.default_rng(1)
@@ -234,11 +236,12 @@ def test_bad_update_raises_and_leaves_state_bit_identical(filled_plane, state_sn
     ids, priorities, message = BAD[case]
     check = state_snapshot(plane)
     ignored = plane.stats()["priority_updates_ignored"]
+    compiled = plane.compile_counts()
     with pytest.raises(PriorityError, match=message):
         plane.update_priorities(ids, priorities)
     check()
     assert plane.stats()["priority_updates_ignored"] == ignored
-    assert plane._update_kernel._cache_size() == 1  # rejected on the host: nothing was traced
+    assert plane.compile_counts() == compiled  # rejected on the host: nothing was traced
 
 
 def test_priority_error_is_a_value_error():
@@ -332,10 +335,10 @@ def test_no_recompilation_across_samples_updates_and_ingests(mesh):
         delivery = plane.sample()
         ids = np.asarray(delivery.ids)[: 9 + step % 4]  # 9..12 ids: one padded bucket of 16
         plane.update_priorities(ids, rng.random(len(ids)) * 10)
-    assert plane._sample_kernel._cache_size() == 1
-    assert plane._update_kernel._cache_size() == 1
-    assert len(plane._ingest_kernels) == 1
-    assert all(kernel._cache_size() == 1 for kernel in plane._ingest_kernels.values())
+    sizes = plane.engine.kernel_cache_sizes()
+    assert all(size <= 1 for size in sizes.values()), sizes
+    assert sum(size for name, size in sizes.items() if name.startswith("ingest")) == 1, sizes
+    assert sizes["sample[]"] == 1 and sizes["update"] == 1, sizes
 
 
 # -- float32 safety through the plane -------------------------------------------------------------------------------

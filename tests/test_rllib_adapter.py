@@ -30,7 +30,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 from ray.rllib.env.single_agent_episode import SingleAgentEpisode  # noqa: E402
 
 import conduit_rllib  # noqa: E402
-from conduit_jax.plane import default_mesh  # noqa: E402
+from conduit_jax.replay import default_mesh  # noqa: E402
 from conduit_jax.spec import SUPPORTED_DTYPES  # noqa: E402
 from conduit_rllib import dlpack  # noqa: E402
 from conduit_rllib.buffers import ConduitBatch  # noqa: E402

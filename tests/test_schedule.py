@@ -244,8 +244,8 @@ def test_overlap_computes_the_next_batch_during_the_learner_step(limited):
     plane.ingest({"x": np.random.default_rng(0).random((4096, 16), np.float32)})
     delivery = plane.deliver()
     for _ in range(5):
-        assert len(plane._in_flight) == 2  # the depth: dispatched before deliver() returned
-        queued = plane._in_flight[0]
+        assert len(plane.in_flight()) == 2  # the depth: dispatched before deliver() returned
+        queued = plane.in_flight()[0]
         deadline = time.monotonic() + 30
         while not _ready(queued):  # the learner's step: the batch computes without the plane being called
             assert time.monotonic() < deadline, "a prefetched batch did not compute without deliver()"
@@ -261,7 +261,7 @@ def test_sync_computes_the_batch_inside_deliver():
                                 mesh=default_mesh(1))
     plane.ingest({"x": np.random.default_rng(0).random((4096, 16), np.float32)})
     for _ in range(3):
-        assert _ready(plane.deliver()) and not plane._in_flight
+        assert _ready(plane.deliver()) and not plane.in_flight()
 
 
 def test_adaptive_bookkeeping_does_not_read_the_history(monkeypatch):
@@ -285,7 +285,7 @@ def test_adaptive_bookkeeping_does_not_read_the_history(monkeypatch):
     depths = set()
     for _ in range(40):
         plane.deliver()
-        depths.add(plane._depth)
+        depths.add(plane.prefetch_depth)
     assert depths <= {0, 1, 2}
 
 

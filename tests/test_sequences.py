@@ -19,7 +19,7 @@ import pytest
 from scipy import stats
 
 from conduit_jax import (ConfigError, ExperienceDataPlane, NotEnoughDataError, SpecError, samplers)
-from conduit_jax.plane import default_mesh
+from conduit_jax.replay import default_mesh
 from conduit_jax.transforms import n_step
 
 STREAMS = 8

@@ -50,13 +50,15 @@ from ray.rllib.evaluation.postprocessing import Postprocessing
 from ray.rllib.policy.sample_batch import MultiAgentBatch, SampleBatch
 
 from conduit_jax import ExperienceDataPlane, ExperienceSpec, default_mesh, samplers
+from conduit_jax.engine import compile_size
 from conduit_rllib.dlpack import jax_to_torch, torch_to_jax
 
 _MIN_BUCKET = 256
 
 
 def _bucket(n: int) -> int:
-    return max(_MIN_BUCKET, 1 << max(0, (n - 1).bit_length()))
+    """Rows the GAE kernel is compiled for: a power of two (padding rows are masked out), at least 256."""
+    return compile_size(max(n, _MIN_BUCKET))
 
 
 @functools.partial(jax.jit, static_argnames=("gamma", "lambda_"))

@@ -55,9 +55,9 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from conduit_jax.errors import ConduitError, ConfigError, NotEnoughDataError, PriorityError
-from conduit_jax.plane import _reading_storage, checked_priorities
+from conduit_jax.engine import compile_size
 from conduit_jax.replay import Delivery
-from conduit_jax.spec import ExperienceSpec
+from conduit_jax.spec import ExperienceSpec, checked_priorities
 
 SUPPORTED_SAMPLERS = ("uniform", "prioritized")
 ID_COLUMNS = ("actor", "incarnation", "row", "generation")
@@ -104,16 +104,11 @@ def route(node_id: Optional[str], actor_nodes: Sequence[Optional[str]], alive: S
     return pool[turn % len(pool)]
 
 
-def _bucket(n: int, shards: int) -> int:
+def _draws(n: int, shards: int) -> int:
     """Draws the shard's compiled sample kernel makes for a share of ``n``, a multiple of the plane's device shards:
-    up to 16 the next power of two; above, ``n`` rounded up to a sixteenth of its power of two (at most 8 compiled
-    sizes per octave, under 1/8 of the draws wasted). A shard's share of a stratified split moves by a couple of
-    items from batch to batch, so it keeps to one or two compiled sizes."""
-    n = max(int(n), 1)
-    top = 1 << (n - 1).bit_length()
-    k = top if n <= 16 else -(-n // (top // 16)) * (top // 16)
-    k = max(k, shards)
-    return k + (-k) % shards
+    at most 8 compiled sizes per octave, under 1/8 of the draws wasted (``engine.compile_size``). A shard's share of a
+    stratified split moves by a couple of items from batch to batch, so it keeps to one or two compiled sizes."""
+    return compile_size(n, steps_per_octave=8, multiple=shards)
 
 
 def _aligned_uint32(rows: int, cols: int) -> np.ndarray:
@@ -152,7 +147,8 @@ class ShardServer:
         for key, value in (jax_config or {}).items():
             jax.config.update(key, value)
         from conduit_jax import checkpoint
-        from conduit_jax.plane import ExperienceDataPlane, default_mesh
+        from conduit_jax.plane import ExperienceDataPlane
+        from conduit_jax.replay import default_mesh
 
         self.index = int(index)
         self.directory = os.path.abspath(directory)
@@ -169,8 +165,8 @@ class ShardServer:
         elif restore_from and os.path.isdir(restore_from) and checkpoint.latest_step(restore_from) is not None:
             source = restore_from
         if source is not None:
-            self.plane = checkpoint.restore(source, mesh=self.mesh, sampler=sampler, limiter=limiter, spec=spec,
-                                            capacity=capacity)
+            self.plane = ExperienceDataPlane.restore(source, mesh=self.mesh, sampler=sampler, limiter=limiter,
+                                                     spec=spec, capacity=capacity)
             restored = int(self.plane.stats()["items_inserted"])
         elif spec is None:
             raise ConfigError(f"ShardServer({index}): no checkpoint in {self.directory} or {restore_from!r} to "
@@ -202,7 +198,7 @@ class ShardServer:
         import jax.numpy as jnp
         from jax import lax
 
-        from conduit_jax import replay, runtime
+        from conduit_jax import replay
 
         plane = self.plane
         config = plane.config
@@ -223,9 +219,7 @@ class ShardServer:
             return mass, size, ignored
 
         self._status_kernel = jax.jit(status)
-        deliver = functools.partial(_reading_storage, bundle=plane._bundle, storage_large=plane._storage_large,
-                                    num_outputs=3,
-                                    compiler_options=runtime.delivery_compiler_options(config.mesh.devices.flat))
+        deliver = functools.partial(plane.engine.reading_kernel, num_outputs=3, delivery=True)
 
         def make(k: int):
             from conduit_jax import samplers
@@ -274,7 +268,7 @@ class ShardServer:
     def _status(self, **extra) -> dict:
         import jax
 
-        with self.plane._changed:
+        with self.plane.held():
             mass, size, ignored = jax.device_get(self._status_kernel(self.plane.state))
         return {"incarnation": self.incarnation, "mass": float(mass), "size": int(size), "inserted": self.inserted,
                 "ignored": int(ignored), "ignored_lost": self.ignored_lost, "checkpointed": self.checkpointed,
@@ -344,14 +338,12 @@ class ShardServer:
         n = int(n)
         if n < 1 or min(self.inserted, self.plane.capacity) == 0:
             return np.zeros((0, self.row_words + 2 + self.priority), np.uint32), self._status()
-        k = _bucket(n, self.plane.num_shards)
+        k = _draws(n, self.plane.num_shards)
         kernel = self._kernels.get(k)
         if kernel is None:
             kernel = self._kernels[k] = self._make_kernel(k)
-        with self.plane._changed:
-            self.plane._flush_updates()
-            packed, mass, size = self.plane._run_reading(f"shard-sample[{k}]", kernel)
-            self.plane._counters = None  # a draw of another batch size: the host counters are read again
+        with self.plane.held():  # the engine reads its status counters again after a kernel of another batch size
+            packed, mass, size = self.plane.engine.run(f"shard-sample[{k}]", kernel)
         rows = np.asarray(packed)
         if n < k:
             # iid uniform draws: any n of them are n iid draws; stratified priority draws: a random subset keeps every
@@ -365,7 +357,7 @@ class ShardServer:
 
     def warmup(self, shares) -> list:
         """Compile the sample kernels for these share sizes now (each runs once; the draws are discarded)."""
-        sizes = sorted({_bucket(int(n), self.plane.num_shards) for n in shares if int(n) > 0})
+        sizes = sorted({_draws(int(n), self.plane.num_shards) for n in shares if int(n) > 0})
         for k in sizes:
             if k not in self._kernels:
                 self.sample(k)
@@ -396,7 +388,7 @@ class ShardServer:
         import jax
 
         plane = self.plane
-        with plane._changed:
+        with plane.held():
             rows, cursor, laps = jax.device_get((plane.state.storage.rows, plane.state.storage.cursor,
                                                  plane.state.storage.laps))
         cap = plane.config.shard_capacity
@@ -931,6 +923,13 @@ class DistributedPlane:
         delivery = self._collect(request)
         self._exposed.append(time.perf_counter() - start)
         return delivery
+
+    def discard_prefetched(self) -> int:
+        """Drop the batches ``deliver`` requested ahead (draws only: no item leaves a shard), e.g. before measuring
+        another ``prefetch`` depth. Returns how many were dropped."""
+        dropped = len(self._in_flight)
+        self._in_flight.clear()
+        return dropped
 
     def warmup(self) -> dict:
         """Compile every live shard's sample kernels for the share sizes a split of the current masses gives (a
