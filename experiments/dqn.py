@@ -106,6 +106,32 @@ def _beta_schedule(config: DQNConfig):
     return optax.linear_schedule(config.beta, 1.0, steps)
 
 
+def double_dqn_step(network, optimizer: optax.GradientTransformation, learner: Learner, data, weights, discount,
+                    target_period: int):
+    """One double-DQN learner step (traceable): the online network picks the next action, the target network values
+    it; the loss is the mean of ``weights * huber(td)``; the target network copies the online one every
+    ``target_period`` steps. ``data`` holds ``obs, action, reward, next_obs`` (leading [B] axis), ``weights`` the
+    importance weights [B] (ones without priorities), ``discount`` the per-row bootstrap discount [B] (e.g.
+    ``gamma * (1 - terminated)``, or an n-step one). Returns ``(learner, |td|, loss)``."""
+    next_action = jnp.argmax(network.apply(learner.params, data["next_obs"]), axis=-1)
+    q_next = jnp.take_along_axis(network.apply(learner.target_params, data["next_obs"]), next_action[:, None],
+                                 axis=1)[:, 0]
+    target = jax.lax.stop_gradient(data["reward"] + discount * q_next)
+
+    def loss_fn(params):
+        q = network.apply(params, data["obs"])
+        q_taken = jnp.take_along_axis(q, data["action"][:, None], axis=1)[:, 0]
+        td = q_taken - target
+        return jnp.mean(weights * optax.huber_loss(td)), td
+
+    (loss, td), grads = jax.value_and_grad(loss_fn, has_aux=True)(learner.params)
+    updates, opt_state = optimizer.update(grads, learner.opt_state, learner.params)
+    params = optax.apply_updates(learner.params, updates)
+    step = learner.step + 1
+    target_params = optax.periodic_update(params, learner.target_params, step, target_period)
+    return Learner(params, target_params, opt_state, step), jnp.abs(td), loss
+
+
 def make_train(config: DQNConfig):
     """``train(rng) -> result``: the whole run (a Python loop around jitted pieces: the plane is a host-side shell)."""
     env = envs.make(config.env)
@@ -152,24 +178,7 @@ def make_train(config: DQNConfig):
             discount = data["discount"]
         else:
             discount = config.gamma * (1.0 - data["terminated"].astype(jnp.float32))
-        # double DQN: the online network picks the next action, the target network values it
-        next_action = jnp.argmax(network.apply(learner.params, data["next_obs"]), axis=-1)
-        q_next = jnp.take_along_axis(network.apply(learner.target_params, data["next_obs"]), next_action[:, None],
-                                     axis=1)[:, 0]
-        target = jax.lax.stop_gradient(data["reward"] + discount * q_next)
-
-        def loss_fn(params):
-            q = network.apply(params, data["obs"])
-            q_taken = jnp.take_along_axis(q, data["action"][:, None], axis=1)[:, 0]
-            td = q_taken - target
-            return jnp.mean(weights * optax.huber_loss(td)), td
-
-        (loss, td), grads = jax.value_and_grad(loss_fn, has_aux=True)(learner.params)
-        updates, opt_state = optimizer.update(grads, learner.opt_state, learner.params)
-        params = optax.apply_updates(learner.params, updates)
-        step = learner.step + 1
-        target_params = optax.periodic_update(params, learner.target_params, step, config.target_period)
-        return Learner(params, target_params, opt_state, step), jnp.abs(td), loss
+        return double_dqn_step(network, optimizer, learner, data, weights, discount, config.target_period)
 
     def evaluate(params, rng):
         return greedy_return(venv, lambda obs: jnp.argmax(network.apply(params, obs), axis=-1).astype(jnp.int32),

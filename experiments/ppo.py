@@ -101,6 +101,50 @@ class Actors(NamedTuple):
     rng: jax.Array
 
 
+def collect_rollout(network: nn.Module, venv, params, actors: Actors, num_steps: int, gamma: float,
+                    gae_lambda: float):
+    """``num_steps`` steps of every env of ``venv`` under the categorical policy ``network.apply(params, obs) ->
+    (logits, value)``, then GAE advantages and returns, all in JAX (traceable: call it inside a jit or a scan).
+
+    ``actors`` is any NamedTuple with fields ``(obs, env_state, rng)``; the returned one has the same type. A truncation
+    bootstraps through the value of the real last observation. Returns ``(actors, items, episode_return,
+    episode_done)``: ``items`` the dict of ``obs, action, log_prob, value, advantage, ret`` with a leading
+    [num_steps * num_envs] axis (time-major: env e of step t at t * num_envs + e); ``episode_return`` and
+    ``episode_done`` the envs' per-step episode statistics, [num_steps, num_envs]."""
+    n = actors.obs.shape[0]
+
+    def one_step(actors, _):
+        rng, action_rng, env_rng = jax.random.split(actors.rng, 3)
+        logits, value = network.apply(params, actors.obs)
+        action = jax.random.categorical(action_rng, logits).astype(jnp.int32)
+        log_prob = jnp.take_along_axis(jax.nn.log_softmax(logits), action[:, None], axis=1)[:, 0]
+        obs, env_state, reward, terminated, truncated, info = venv.step(jax.random.split(env_rng, n),
+                                                                        actors.env_state, action)
+        # bootstrap through a truncation with the value of the real last observation
+        _, final_value = network.apply(params, info["final_obs"])
+        reward = reward + gamma * jnp.where(truncated, final_value, 0.0)
+        step = {"obs": actors.obs, "action": action, "log_prob": log_prob, "value": value, "reward": reward,
+                "done": terminated | truncated}
+        return actors._replace(obs=obs, env_state=env_state, rng=rng), (step, info["episode_return"],
+                                                                        info["episode_done"])
+
+    actors, (steps, returns, done) = jax.lax.scan(one_step, actors, None, num_steps)
+    _, last_value = network.apply(params, actors.obs)
+
+    def gae_step(carry, step):
+        advantage, next_value = carry
+        not_done = 1.0 - step["done"].astype(jnp.float32)
+        delta = step["reward"] + gamma * next_value * not_done - step["value"]
+        advantage = delta + gamma * gae_lambda * not_done * advantage
+        return (advantage, step["value"]), advantage
+
+    _, advantages = jax.lax.scan(gae_step, (jnp.zeros(n), last_value), steps, reverse=True)
+    items = {"obs": steps["obs"], "action": steps["action"], "log_prob": steps["log_prob"],
+             "value": steps["value"], "advantage": advantages, "ret": advantages + steps["value"]}
+    items = jax.tree_util.tree_map(lambda x: x.reshape((num_steps * n,) + x.shape[2:]), items)
+    return actors, items, returns, done
+
+
 def example_item(obs_dim: int) -> dict[str, np.ndarray]:
     return {"obs": np.zeros(obs_dim, np.float32), "action": np.int32(0), "log_prob": np.float32(0.0),
             "value": np.float32(0.0), "advantage": np.float32(0.0), "ret": np.float32(0.0),
@@ -146,36 +190,9 @@ def make_train(config: PPOConfig):
 
     def rollout(actors: Actors, params, version):
         """``T`` steps of every env under the current policy, then GAE; returns [T * n] items (time-major)."""
-
-        def one_step(actors: Actors, _):
-            rng, action_rng, env_rng = jax.random.split(actors.rng, 3)
-            logits, value = network.apply(params, actors.obs)
-            action = jax.random.categorical(action_rng, logits).astype(jnp.int32)
-            log_prob = jnp.take_along_axis(jax.nn.log_softmax(logits), action[:, None], axis=1)[:, 0]
-            obs, env_state, reward, terminated, truncated, info = venv.step(jax.random.split(env_rng, n),
-                                                                            actors.env_state, action)
-            # bootstrap through a truncation with the value of the real last observation
-            _, final_value = network.apply(params, info["final_obs"])
-            reward = reward + config.gamma * jnp.where(truncated, final_value, 0.0)
-            step = {"obs": actors.obs, "action": action, "log_prob": log_prob, "value": value, "reward": reward,
-                    "done": terminated | truncated}
-            return Actors(obs, env_state, rng), (step, info["episode_return"], info["episode_done"])
-
-        actors, (steps, returns, done) = jax.lax.scan(one_step, actors, None, T)
-        _, last_value = network.apply(params, actors.obs)
-
-        def gae_step(carry, step):
-            advantage, next_value = carry
-            not_done = 1.0 - step["done"].astype(jnp.float32)
-            delta = step["reward"] + config.gamma * next_value * not_done - step["value"]
-            advantage = delta + config.gamma * config.gae_lambda * not_done * advantage
-            return (advantage, step["value"]), advantage
-
-        _, advantages = jax.lax.scan(gae_step, (jnp.zeros(n), last_value), steps, reverse=True)
-        items = {"obs": steps["obs"], "action": steps["action"], "log_prob": steps["log_prob"],
-                 "value": steps["value"], "advantage": advantages, "ret": advantages + steps["value"],
-                 "policy_version": jnp.full((T, n), version, jnp.int32)}
-        items = jax.tree_util.tree_map(lambda x: x.reshape((T * n,) + x.shape[2:]), items)
+        actors, items, returns, done = collect_rollout(network, venv, params, actors, T, config.gamma,
+                                                       config.gae_lambda)
+        items["policy_version"] = jnp.full((T * n,), version, jnp.int32)
         return actors, items, (jnp.sum(returns), jnp.sum(done))
 
     def learner_step(learner: Learner, data, weights, mask):
