@@ -104,7 +104,7 @@ def _run_demo(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------------------------------------------------------
 # conduit bench
 # ------------------------------------------------------------------------------------------------------------------
-_BENCH_WORKLOADS = "w1,w2,w3,w4,w5,w6"
+_BENCH_WORKLOADS = "w1,w2,w3,w4,w5,w6,w7"
 
 
 def _bench_arguments(parser: argparse.ArgumentParser) -> None:
@@ -133,14 +133,17 @@ def _checkout_root(marker: str) -> Path | None:
     return None
 
 
-def _import_from_checkout(package: str, module: str, marker: str):
+def _import_from_checkout(package: str, module: str, marker: str, expects: str = "main"):
     """``<package>.<module>`` of an installed copy, else of a checkout's ``./<package>`` (the current directory or one
-    above it). Neither ``benchmarks`` nor ``experiments`` ships in the conduit-jax wheel. Returns (module, note) with a
-    note saying where it was found, or (None, reason)."""
+    above it). Neither ``benchmarks`` nor ``experiments`` ships in the conduit-jax wheel. ``expects`` is the attribute
+    that tells our module from another package's of the same name (a script's ``main``; the experiment catalogue's
+    ``EXPERIMENTS``). Returns (module, note) with a note saying where it was found, or (None, reason)."""
     import importlib
 
     def ours(mod) -> bool:  # not some other installed package of the same name
-        return callable(getattr(mod, "main", None)) and Path(getattr(mod, "__file__", "")).parent.name == package
+        found = getattr(mod, expects, None)
+        return ((callable(found) if expects == "main" else found is not None)
+                and Path(getattr(mod, "__file__", "")).parent.name == package)
 
     try:
         mod = importlib.import_module(f"{package}.{module}")
@@ -220,62 +223,25 @@ def _run_plan(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------------------------------------------------------
 # conduit experiment
 # ------------------------------------------------------------------------------------------------------------------
-class Experiment(NamedTuple):
-    """One claim's script in a checkout's ``experiments/``: ``python -m experiments.<module>``."""
-
-    name: str
-    module: str
-    claim: str  # the claim of issue 10 it answers
-    help: str
-    full_time: str  # wall time of the full run as measured (documented here; `--list` prefers the recorded one)
-    quick_time: str
-    outputs: tuple[str, ...] = ()  # result stems in experiments/results/ (quick runs add "_quick")
-    needs: tuple[str, ...] = ()  # modules beyond the core the run imports (an extra)
-    devices: int | None = None  # emulated CPU devices to ask XLA for before JAX starts
-    algos: tuple[str, ...] = ()  # rllib_compare: one run per algorithm unless --algo names one
-    quick_flags: tuple[str, ...] = ("--quick",)  # script options that make a short run (recorded apart)
+def _import_experiment(module: str, expects: str = "main"):
+    """``experiments.<module>`` from a Conduit-JAX checkout: (module, note) or (None, reason)."""
+    mod, note = _import_from_checkout("experiments", module, "experiments/report.py", expects)
+    if mod is None and note is None:
+        note = ("the experiments (experiments/) are not part of the installed conduit-jax package and there is no "
+                f"experiments/report.py under the current directory {Path.cwd()} or above it. Run `conduit "
+                "experiment` from the root of a Conduit-JAX source checkout (git clone ...; pip install -e '.[bench]')")
+    return mod, note
 
 
-_RLLIB = ("ray", "torch", "conduit_rllib", "matplotlib")
-EXPERIMENTS: tuple[Experiment, ...] = (
-    Experiment("breakdown", "rllib_compare", "1, 2",
-               "RLlib native vs Conduit, per-stage iteration breakdown and experience-path share (DQN, PPO; "
-               "--algo dqn|ppo|sac for one)",
-               "DQN 12, PPO 7 min", "~1 min per algo", needs=_RLLIB,
-               algos=("dqn", "ppo")),
-    Experiment("scheduling", "scheduling", "2",
-               "delivery schedules (sync/overlap/deferred/adaptive/fused) on the JAX learners: exposed and iteration "
-               "latency", "3.2 min", "~2 min", outputs=("scheduling",),
-               needs=("matplotlib",)),
-    Experiment("ablation", "ablation", "2",
-               "baseline / + placement / + scheduling / full on the JAX learners (DQN + PER, PPO)",
-               "6.6 min (3 rounds)", "~1.5 min", outputs=("ablation",), needs=("matplotlib",), devices=8),
-    Experiment("placement", "placement_sweep", "3",
-               "delivery latency vs batch bytes per memory kind and shard count; the planner's choice and its "
-               "predicted cost beside the measured one", "45 s", "~10 s", outputs=("placement_sweep",),
-               needs=("matplotlib",), devices=8),
-    Experiment("scaling", "scaling", "4",
-               "1 -> 8 emulated devices and 1 -> 4 Ray shard actors measured here, the cost model up to 1,024 GPUs",
-               "3.6 min", "~2 min", outputs=("scaling",), needs=("ray", "matplotlib")),
-    Experiment("convergence", "rllib_compare", "5",
-               "learning curves over 3 seeds with and without Conduit, Welch's t-test of final returns (DQN, PPO, "
-               "SAC; --algo for one)", "12/7/19 min (DQN/PPO/SAC)", "~1 min per algo", needs=_RLLIB,
-               algos=("dqn", "ppo", "sac")),
-    Experiment("gpu", "gpu", "6",
-               "on one NVIDIA GPU (H200): the JAX learners' breakdown and the placement sweep in device / pinned_host "
-               "/ unpinned_host memory (--dry-run: small, on CPU)",
-               "< 8 min on an H200 (est.)", "70-110 s (CPU)",
-               outputs=("gpu_breakdown", "gpu_placement_sweep", "gpu_run"), needs=("matplotlib",),
-               quick_flags=("--quick", "--dry-run")),
-    Experiment("report", "report", "all", "regenerate experiments/REPORT.md from the JSON in experiments/results/",
-               "~1 s", "~1 s"),
-)
-_EXPERIMENTS = {e.name: e for e in EXPERIMENTS}
+def _load_catalogue():
+    """The experiment catalogue, ``experiments/catalogue.py`` of the checkout (its ``EXPERIMENTS``): (module, note)
+    or (None, reason). Loaded like the experiments themselves, so ``conduit experiment`` lists what the checkout has."""
+    return _import_experiment("catalogue", expects="EXPERIMENTS")
 
 
 def _experiment_arguments(parser: argparse.ArgumentParser) -> None:
-    names = ", ".join(e.name for e in EXPERIMENTS)
-    parser.add_argument("name", nargs="?", metavar="NAME", help=f"one of {names}; 'list' lists them")
+    parser.add_argument("name", nargs="?", metavar="NAME",
+                        help="an experiment of the checkout's catalogue (experiments/catalogue.py); 'list' lists them")
     parser.add_argument("--list", action="store_true", help="list the experiments with their run times")
     parser.add_argument("--quick", action="store_true", help="the short version (each in under a few minutes)")
     parser.add_argument("args", nargs=argparse.REMAINDER,
@@ -292,10 +258,12 @@ def _recorded_runs(results: Path) -> dict:
         return {}
 
 
-def _format_experiments(results: Path | None) -> str:
+def _format_experiments(experiments: Sequence, results: Path | None) -> str:
+    """The ``--list`` table of ``experiments`` (the catalogue's entries), with the last full run recorded in
+    ``results/runs.json`` in place of the documented time when there is one."""
     runs = _recorded_runs(results) if results is not None else {}
     lines = [f"{'NAME':<12} {'CLAIM':<6} {'FULL RUN':<26} {'--quick':<16} WHAT"]
-    for e in EXPERIMENTS:
+    for e in experiments:
         recorded = [r for key, r in runs.items() if key.split()[0] == e.name and isinstance(r.get("wall_s"), (int, float))]
         full = e.full_time
         if recorded:
@@ -307,16 +275,6 @@ def _format_experiments(results: Path | None) -> str:
                  "estimated, not yet measured). conduit experiment NAME [--quick] [script options]; "
                  "conduit experiment report regenerates experiments/REPORT.md")
     return "\n".join(lines)
-
-
-def _import_experiment(module: str):
-    """``experiments.<module>`` from a Conduit-JAX checkout: (module, note) or (None, reason)."""
-    mod, note = _import_from_checkout("experiments", module, "experiments/report.py")
-    if mod is None and note is None:
-        note = ("the experiments (experiments/) are not part of the installed conduit-jax package and there is no "
-                f"experiments/report.py under the current directory {Path.cwd()} or above it. Run `conduit "
-                "experiment` from the root of a Conduit-JAX source checkout (git clone ...; pip install -e '.[bench]')")
-    return mod, note
 
 
 def _missing(modules: Sequence[str]) -> list[str]:
@@ -381,24 +339,28 @@ def _run_experiment(args: argparse.Namespace) -> int:
 
     rest = list(args.args or [])
     name = args.name
+    catalogue, catalogue_note = _load_catalogue()
+    if catalogue is None:
+        print(f"conduit experiment{' ' + name if name and name != 'list' else ''}: error: {catalogue_note}",
+              file=sys.stderr)
+        return 2
     if args.list or name == "list":
-        mod, _ = _import_experiment("report")
-        results = Path(mod.__file__).parent / "results" if mod is not None else None
-        print(_format_experiments(results))
+        print(_format_experiments(catalogue.EXPERIMENTS, Path(catalogue.__file__).parent / "results"))
         return 0
     if name is None:
-        print(_format_experiments(None))
+        print(_format_experiments(catalogue.EXPERIMENTS, None))
         print("conduit experiment: error: name an experiment (or --list)", file=sys.stderr)
         return 2
-    experiment = _EXPERIMENTS.get(name)
+    by_name = {e.name: e for e in catalogue.EXPERIMENTS}
+    experiment = by_name.get(name)
     if experiment is None:
         print(f"conduit experiment: error: unknown experiment {name!r}; choose one of "
-              f"{', '.join(_EXPERIMENTS)} (conduit experiment --list)", file=sys.stderr)
+              f"{', '.join(by_name)} (conduit experiment --list)", file=sys.stderr)
         return 2
     asked = args.quick or "--quick" in rest  # --quick, given before or after the name
     rest = [a for a in rest if a != "--quick"]
     quick = asked or any(flag in rest for flag in experiment.quick_flags)  # a short run: recorded apart
-    flag = ["--quick"] if asked else []
+    flag = list(experiment.quick_args) if asked else []  # the script's own way to a short run
     missing = _missing(experiment.needs)
     if missing:
         extra = "'.[rllib]' -c constraints/cpu.txt" if {"ray", "torch", "conduit_rllib"} & set(missing) else "'.[bench]'"
@@ -414,6 +376,7 @@ def _run_experiment(args: argparse.Namespace) -> int:
     if mod is None:
         print(f"conduit experiment {name}: error: {note}", file=sys.stderr)
         return 2
+    note = note or catalogue_note  # the catalogue, loaded first, found the checkout
     if note:
         print(f"conduit experiment {name}: {note}", file=sys.stderr)
     results = Path(getattr(mod, "RESULTS", Path(mod.__file__).parent / "results"))
@@ -449,7 +412,8 @@ def _run_experiment(args: argparse.Namespace) -> int:
         if code == 0 and experiment.name != "report" and "-h" not in argv and "--help" not in argv:
             written = [_relative(p, results.parent.parent) for p in outputs
                        if p.is_file() and p.stat().st_mtime >= started - 1]
-            user = ["experiment", name] + flag + [a for a in args.args or [] if a != "--quick"]
+            user = ["experiment", name] + (["--quick"] if asked else []) + [a for a in args.args or []
+                                                                           if a != "--quick"]
             _record_run(results, key, {
                 "command": "conduit " + shlex.join(user),
                 "script": f"python -m experiments.{experiment.module} {shlex.join(argv)}",
@@ -467,8 +431,8 @@ COMMANDS: tuple[Command, ...] = (
                      "benchmarks/", _bench_arguments, _run_bench),
     Command("plan", "plan where the plane's state lives on a topology (a preset, a JSON file, or this machine) and "
                     "explain why", _plan_arguments, _run_plan),
-    Command("experiment", "run one claim's experiment from a checkout's experiments/ (breakdown, scheduling, "
-                          "ablation, placement, scaling, convergence, gpu, report; --list)",
+    Command("experiment", "run one of a checkout's experiments (the catalogue in experiments/catalogue.py: "
+                          "breakdown, scheduling, ablation, ...; --list lists them)",
             _experiment_arguments, _run_experiment),
 )
 

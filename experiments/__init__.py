@@ -1,6 +1,9 @@
 """Experiments: one file per claim, each writing JSON and PNG figures to ``experiments/results/``.
 
-JAX learners that use ``conduit_jax`` the way a user would: ``dqn``, ``ppo``, ``sac`` (on ``envs``). The claims:
+JAX learners that use ``conduit_jax`` the way a user would: ``dqn``, ``ppo``, ``sac`` (on ``envs``, host-driven,
+through the plane) and ``jitted`` (DQN, DQN + PER and PPO whose env step, add, sample, priority update and learner
+step run in one ``lax.scan`` over the functional ``make_buffer``; Conduit's or Flashbax's buffer, timed by
+``benchmarks/bench_w7.py``). The claims:
 
   * ``rllib_compare``: native RLlib vs Conduit, per-stage breakdown and convergence (claims 1, 2, 5; ``rllib`` extra);
   * ``scheduling``: delivery policies on the JAX learners (claim 2);
@@ -11,7 +14,8 @@ JAX learners that use ``conduit_jax`` the way a user would: ``dqn``, ``ppo``, ``
   * ``gpu``: the breakdown and the placement sweep on one NVIDIA GPU (claim 6);
   * ``report``: ``experiments/REPORT.md``, every result beside the paper's number, from the JSON files.
 
-Run each as ``python -m experiments.<name> --help``, or ``conduit experiment NAME [--quick]`` (``--list`` lists them).
+Run each as ``python -m experiments.<name> --help``, or ``conduit experiment NAME [--quick]`` (``--list`` lists them);
+``catalogue.py`` is that list: every experiment's name, script, claim, run times and needs.
 
 The few helpers every learner shares (the ``--schedule`` flag and the latency report) live here.
 """

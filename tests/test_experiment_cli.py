@@ -1,5 +1,6 @@
-"""``conduit experiment``: parsing, --list, dispatch to an experiment's main (mocked), run records, missing extras,
-and short smoke runs of the quick scripts in subprocesses (the long ones are marked slow)."""
+"""``conduit experiment``: the catalogue (``experiments/catalogue.py``) and how the command loads it from a checkout,
+parsing, --list, dispatch to an experiment's main (mocked), run records, missing extras, and short smoke runs of the
+quick scripts in subprocesses (the long ones are marked slow)."""
 
 import json
 import os
@@ -11,16 +12,22 @@ from pathlib import Path
 import pytest
 
 from conduit_jax import cli
+from experiments import catalogue
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture
 def fake(monkeypatch, tmp_path):
-    """``_import_experiment`` returns a stand-in module whose main records its argv; results go to tmp_path."""
+    """``_import_experiment`` returns a stand-in module whose main records its argv; results go to tmp_path. The
+    catalogue itself is the real one."""
     calls = []
+    real = cli._import_experiment
 
-    def import_experiment(module):
+    def import_experiment(module, expects="main"):
+        if module == "catalogue":
+            return real(module, expects)
+
         def main(argv):
             calls.append((module, list(argv)))
             if "--out" in argv:  # what rllib_compare does with --out
@@ -35,10 +42,24 @@ def fake(monkeypatch, tmp_path):
     return calls
 
 
+def test_the_catalogue_lives_in_experiments_and_names_real_scripts():
+    names = [e.name for e in catalogue.EXPERIMENTS]
+    assert len(set(names)) == len(names)
+    assert {"breakdown", "scheduling", "ablation", "placement", "scaling", "convergence", "gpu", "jitted",
+            "report"} <= set(names)
+    for e in catalogue.EXPERIMENTS:
+        assert isinstance(e, catalogue.Experiment)
+        assert (ROOT / "experiments" / f"{e.module}.py").is_file(), e.module
+        assert e.claim and e.help and e.full_time and e.quick_time, e.name
+    assert not hasattr(cli, "EXPERIMENTS") and not hasattr(cli, "Experiment")  # one place for the catalogue
+    mod, _ = cli._load_catalogue()
+    assert mod.EXPERIMENTS == catalogue.EXPERIMENTS
+
+
 def test_list_shows_every_experiment_with_its_run_time(capsys):
     assert cli.main(["experiment", "--list"]) == 0
     out = capsys.readouterr().out
-    for e in cli.EXPERIMENTS:
+    for e in catalogue.EXPERIMENTS:
         line = next(x for x in out.splitlines() if x.startswith(e.name + " "))
         assert e.quick_time in line and e.help in line
     assert cli.main(["experiment", "list"]) == 0
@@ -48,7 +69,7 @@ def test_list_shows_every_experiment_with_its_run_time(capsys):
 def test_list_prefers_the_recorded_full_run_time(fake, tmp_path, capsys):
     (tmp_path / "runs.json").write_text(json.dumps(
         {"placement": {"wall_s": 61.4, "date": "2026-11-30T14:00:00+00:00", "outputs": []}}))
-    print(cli._format_experiments(tmp_path))
+    print(cli._format_experiments(catalogue.EXPERIMENTS, tmp_path))
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("placement "))
     assert "61 s (run 2026-11-30)" in line
 
@@ -83,6 +104,27 @@ def test_gpu_dry_run_is_recorded_as_a_short_run(fake, tmp_path):
     assert not (tmp_path / "runs.json").exists()
 
 
+def test_jitted_quick_is_a_short_run_of_its_own_flags(fake, tmp_path):
+    """experiments/jitted.py has no --quick: the catalogue says what a short run passes instead."""
+    assert cli.main(["experiment", "jitted", "--quick", "--algo", "ppo"]) == 0
+    assert fake == [("jitted", ["--total-env-steps", "10000", "--algo", "ppo"])]
+    record = json.loads((tmp_path / "runs_quick.json").read_text())["jitted"]
+    assert record["command"] == "conduit experiment jitted --quick --algo ppo" and record["quick"] is True
+    fake.clear()
+    assert cli.main(["experiment", "jitted", "--algo", "dqn-per"]) == 0
+    assert fake == [("jitted", ["--algo", "dqn-per"])]
+    assert "jitted" in json.loads((tmp_path / "runs.json").read_text())
+
+
+def test_jitted_quick_args_are_flags_of_the_script():
+    from experiments import jitted
+
+    e = next(e for e in catalogue.EXPERIMENTS if e.name == "jitted")
+    with pytest.raises(SystemExit) as exc:  # parses, then --help exits before any JAX work
+        jitted.main([*e.quick_args, "--help"])
+    assert exc.value.code == 0
+
+
 def test_breakdown_runs_each_algorithm_into_its_own_file(fake, tmp_path):
     assert cli.main(["experiment", "breakdown", "--quick"]) == 0
     assert [c[1][:2] for c in fake] == [["--algo", "dqn"], ["--algo", "ppo"]]
@@ -111,10 +153,30 @@ def test_missing_rllib_extra_names_the_install_command(monkeypatch, capsys):
 
 
 def test_outside_a_checkout_says_so(monkeypatch, capsys):
-    monkeypatch.setattr(cli, "_import_experiment", lambda module: (None, "run from a source checkout"))
+    monkeypatch.setattr(cli, "_import_experiment", lambda module, expects="main": (None, "run from a source checkout"))
     monkeypatch.setattr(cli, "_missing", lambda modules: [])
     assert cli.main(["experiment", "report"]) == 2
     assert "source checkout" in capsys.readouterr().err
+    assert cli.main(["experiment", "--list"]) == 2  # the catalogue is in the checkout too
+    assert "source checkout" in capsys.readouterr().err
+
+
+def _cli(args, cwd):
+    code = f"import sys; from conduit_jax import cli; sys.exit(cli.main({list(args)!r}))"
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=cwd,
+                          check=False, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+
+
+def test_list_loads_the_catalogue_from_the_checkout_or_says_there_is_none(tmp_path):
+    """From a subdirectory of the checkout (experiments/ not importable as such) the catalogue is found above; from
+    outside any checkout the command fails with the reason and what to do."""
+    inside = _cli(["experiment", "--list"], ROOT / "tests")
+    assert inside.returncode == 0, inside.stderr
+    assert [x.split()[0] for x in inside.stdout.splitlines()[1:len(catalogue.EXPERIMENTS) + 1]] == [
+        e.name for e in catalogue.EXPERIMENTS]
+    outside = _cli(["experiment", "--list"], tmp_path)
+    assert outside.returncode == 2 and outside.stdout == ""
+    assert "not part of the installed conduit-jax package" in outside.stderr and "checkout" in outside.stderr
 
 
 def test_checkout_root_is_found_from_a_subdirectory(monkeypatch, tmp_path):
