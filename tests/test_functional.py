@@ -261,3 +261,14 @@ def test_a_state_of_another_configuration_is_refused():
     with pytest.raises(cj.ConfigError, match="ReplayState of this buffer's configuration"):
         plane.state = buffer.init()
     assert len(plane) == 0
+
+
+def test_the_readme_quickstart_runs_as_written(tmp_path, capsys):
+    """The README's first example, exactly as a new user copies it (here on the 8-device test mesh)."""
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme[readme.index("## Quickstart: a replay buffer inside your jitted loop"):]
+    code = section[section.index("```python\n") + len("```python\n"):section.index("```\n", 10)]
+    exec(compile(code.replace("/tmp/replay-ckpt", str(tmp_path / "ckpt")), "README.md", "exec"), {})
+    assert capsys.readouterr().out.split() == ["12000", "True", "12000"]
