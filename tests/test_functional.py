@@ -90,7 +90,7 @@ def test_the_scan_loop_compiles_once(mesh):
     assert np.asarray(valid).all()
 
 
-@pytest.mark.parametrize("n", [1, 3, 13, 64 + 5, 3 * 64 + 1])
+@pytest.mark.parametrize("n", [1, 13, 3 * 64 + 1])
 def test_any_static_batch_size(n):
     """Sizes that are not multiples of the shard count, and batches larger than the ring (written in order, chunk by
     chunk): the buffer then holds exactly the newest ``capacity`` items."""
@@ -124,14 +124,15 @@ def test_an_empty_state_delivers_a_batch_flagged_invalid_and_changes_nothing(mes
 
 def test_a_rate_limiter_refusal_is_flagged_invalid():
     buffer = cj.make_buffer(SPEC, 64, samplers.uniform(8), limiter=limits.min_size(20), mesh=cj.default_mesh(1))
-    state = jax.jit(buffer.ingest)(buffer.init(), items(0, 19))
-    assert not bool(buffer.sample(state)[1].valid)
-    assert bool(buffer.sample(buffer.ingest(state, items(19, 1)))[1].valid)
+    ingest, sample = jax.jit(buffer.ingest), jax.jit(buffer.sample)
+    state = ingest(buffer.init(), items(0, 19))
+    assert not bool(sample(state)[1].valid)
+    assert bool(sample(ingest(state, items(19, 1)))[1].valid)
 
 
 def test_a_queue_delivers_each_item_once_then_flags_invalid():
     buffer = cj.make_buffer(SPEC, 32, samplers.fifo(8), mesh=cj.default_mesh(8))
-    state = buffer.ingest(buffer.init(), items(0, 20))
+    state = jax.jit(buffer.ingest)(buffer.init(), items(0, 20))
     sample = jax.jit(buffer.sample)
     delivered = []
     for _ in range(3):
