@@ -160,6 +160,9 @@ class Engine:
         self.config, self.shardings = config, shardings
         self.abstract = abstract = jax.eval_shape(functools.partial(replay.init, config, 0))
         self.bundle = bundle = LeafBundle(abstract, shardings)
+        abstract_leaves, treedef = jax.tree_util.tree_flatten(abstract)
+        self._leaf_types = [(leaf.shape, leaf.dtype) for leaf in abstract_leaves], treedef  # what check_state wants
+        self._leaf_shardings = jax.tree_util.tree_leaves(shardings)
         self._storage_large = bundle.count_large(len(jax.tree_util.tree_leaves(abstract.storage)))
         sampler = config.sampler
         # a sampler whose deliverable count is an index (windows or items with mass), not arithmetic on calls: each
@@ -263,27 +266,29 @@ class Engine:
     def state(self, tree: Optional[ReplayState]) -> None:
         """A state from outside, split into the kernels' form now (its large leaves are shared, so the pytree stays
         valid too); a leaf placed elsewhere than ``shardings`` says is moved there first. None frees the state."""
-        if tree is not None:
-            self.check_state(tree)
+        leaves = None if tree is None else self.check_state(tree)  # a refused state leaves this one as it was
         self._form, self._mirror = None, None
         if tree is not None:
-            if any(_placed_elsewhere(leaf, target) for leaf, target in
-                   zip(jax.tree_util.tree_leaves(tree), jax.tree_util.tree_leaves(self.shardings))):
+            if any(_placed_elsewhere(leaf, target) for leaf, target in zip(leaves, self._leaf_shardings)):
                 tree = jax.device_put(tree, self.shardings)
             self._keep(*self.bundle.from_tree(tree))
         self._tree = tree
 
-    def check_state(self, tree, where: str = "state") -> None:
-        """ConfigError unless ``tree`` is a state of this configuration (structure, shapes and dtypes)."""
-        expected, treedef = jax.tree_util.tree_flatten(self.abstract)
-        leaves, got = jax.tree_util.tree_flatten(tree)
-        if got != treedef:
-            raise ConfigError(f"{where}: expected a ReplayState of this buffer's configuration, {treedef}; got {got}")
-        for path_leaf, leaf, want in zip(jax.tree_util.tree_flatten_with_path(tree)[0], leaves, expected):
-            if tuple(np.shape(leaf)) != want.shape or np.dtype(getattr(leaf, "dtype", None)) != want.dtype:
-                raise ConfigError(f"{where}: leaf {jax.tree_util.keystr(path_leaf[0])} must be "
-                                  f"{want.dtype}{list(want.shape)}, got {getattr(leaf, 'dtype', None)}"
-                                  f"{list(np.shape(leaf))} (a state of another capacity, spec, sampler or mesh?)")
+    def check_state(self, tree, where: str = "state") -> list:
+        """The leaves of ``tree``; ConfigError unless it is a state of this configuration (structure, shapes and
+        dtypes). Cheap when it is (a fused loop assigns the state on every step)."""
+        leaves, treedef = jax.tree_util.tree_flatten(tree)
+        expected, want_treedef = self._leaf_types
+        if treedef != want_treedef:
+            raise ConfigError(f"{where}: expected a ReplayState of this buffer's configuration, {want_treedef}; got "
+                              f"{treedef}")
+        for index, (leaf, (shape, dtype)) in enumerate(zip(leaves, expected)):
+            if getattr(leaf, "shape", None) != shape or getattr(leaf, "dtype", None) != dtype:
+                path = jax.tree_util.keystr(jax.tree_util.tree_flatten_with_path(tree)[0][index][0])
+                raise ConfigError(f"{where}: leaf {path} must be {dtype}{list(shape)}, got "
+                                  f"{getattr(leaf, 'dtype', None)}{list(np.shape(leaf))} (a state of another "
+                                  f"capacity, spec, sampler or mesh?)")
+        return leaves
 
     def block_until_ready(self) -> None:
         """Wait until every kernel dispatched on the state so far has finished."""
