@@ -14,6 +14,7 @@ import contextlib
 import functools
 import threading
 import time
+import weakref
 from typing import Any, Optional
 
 import jax
@@ -22,6 +23,7 @@ from jax.sharding import Mesh
 
 from conduit_jax import checkpoint, functional, limits, metrics, replay, runtime, samplers
 from conduit_jax import schedule as schedule_lib
+from conduit_jax.delivery import DeferredUpdates, DeliveryWorker, Prefetched
 from conduit_jax.engine import Engine, pack_updates
 from conduit_jax.errors import (CapacityError, ConfigError, NotEnoughDataError, PriorityError, RateLimitedError,
                                 SpecError)
@@ -39,7 +41,9 @@ class ExperienceDataPlane:
       sampler: a ``samplers.*`` policy; default ``samplers.uniform(256)``.
       limiter: a ``limits.*`` rate limiter; default ``limits.min_size(1)``.
       staleness: ``limits.Staleness(max_versions, key)``: deliver only items at most that many policy versions old.
-      schedule: how ``deliver()`` overlaps sampling with the learner (``schedule.sync()`` by default).
+      schedule: how ``deliver()`` overlaps sampling with the learner (``schedule.sync()`` by default). A schedule
+        that prefetches runs a delivery worker thread (``delivery.py``) until ``close()`` (or the plane is collected;
+        ``with ExperienceDataPlane(...) as plane:`` closes it).
       mesh: the devices to shard over (every axis of the mesh is used); default every local device on one axis.
       plan: a ``placement.Plan`` for this spec and capacity: its mesh, and a memory kind for each state part.
       seed: seeds the sampler's random stream.
@@ -68,8 +72,8 @@ class ExperienceDataPlane:
             self.engine.state = state
         self.timeline = metrics.Timeline()  # wall-clock spans per stage (see metrics.py)
         self._changed = threading.Condition()  # guards state; notified after every ingest and sample
-        self._in_flight: collections.deque = collections.deque()  # dispatched, not yet delivered batches
-        self._queued_updates: collections.deque = collections.deque()  # (step, ids, priorities), deferred policy
+        self._in_flight: collections.deque = collections.deque()  # Prefetched batches, not yet delivered
+        self._deferred = DeferredUpdates(self.schedule.defer, self.capacity) if self.schedule.defer else None
         # checked priority updates not yet in the state: the next sample applies them in its own kernel call (one
         # dispatch for both); anything else that reads the state applies them first (_flush_updates)
         self._pending_updates: list[tuple[np.ndarray, np.ndarray]] = []
@@ -77,6 +81,12 @@ class ExperienceDataPlane:
         self._step = 0  # deliver() calls so far
         self._last_delivery_end: Optional[float] = None
         self._smoothed = {"exposed": 0.0, "learner": 0.0}  # exponential averages (s) the adaptive policy reads
+        self._epoch = 0  # policy-version switches and state assignments: an older batch is re-checked when delivered
+        self._recycle: Optional[Delivery] = None  # a batch deliver() handed over for the worker's next draw
+        self._worker: Optional[DeliveryWorker] = None
+        if self.schedule.depth:  # the worker reaches the plane through a weak reference: an unclosed plane is freed
+            self._worker = DeliveryWorker(self._changed, _poller(weakref.ref(self)), "conduit-delivery")
+            weakref.finalize(self, self._worker.close, 0.0)
 
     # -- the state ------------------------------------------------------------------------------------------------
     @property
@@ -90,8 +100,11 @@ class ExperienceDataPlane:
     def state(self, value: Optional[ReplayState]) -> None:
         runtime.refuse_under_trace("plane.state = ...", "assign the state your jitted function returns")
         with self._changed:
+            self._settle()
             self._flush_updates()  # they were reported against the state being replaced; keep the order of calls
             self.engine.state = value
+            self._epoch += 1  # its policy version may differ
+            self._kick()
 
     @property
     def shardings(self):
@@ -106,8 +119,10 @@ class ExperienceDataPlane:
     @contextlib.contextmanager
     def held(self):
         """Hold the plane still: no other call runs inside the block, and checked priority updates are in the state.
-        What a consistent snapshot needs (``checkpoint.save`` reads ``state`` and ``host_side()`` under it)."""
+        What a consistent snapshot needs (``checkpoint.save`` reads ``state`` and ``host_side()`` under it); the
+        delivery worker has done what it could first, so the block sees what a plane without one would."""
         with self._changed:
+            self._settle()
             self._flush_updates()
             yield self
 
@@ -115,7 +130,7 @@ class ExperienceDataPlane:
         """What lives on the host outside ``state``: batches in flight (for a consuming sampler their items have left
         the queue) and deferred priority updates not yet applied (their id count)."""
         return {"in_flight": len(self._in_flight),
-                "deferred_updates": sum(len(ids) for _, ids, _ in self._queued_updates)}
+                "deferred_updates": 0 if self._deferred is None else self._deferred.count()}
 
     def block_until_ready(self) -> "ExperienceDataPlane":
         """Wait until every kernel dispatched on the state so far has finished."""
@@ -160,6 +175,7 @@ class ExperienceDataPlane:
             with self.timeline.span("ingest"):
                 self.engine.ingest(batch, n)
             self._changed.notify_all()
+            self._kick()  # a rollout's first minibatches are staged as it is ingested
 
     def can_ingest(self, n: int = 1) -> bool:
         """Whether ``n`` items would be admitted now (rate limiter and queue capacity)."""
@@ -197,6 +213,7 @@ class ExperienceDataPlane:
         """
         runtime.refuse_under_trace("sample()", "state, delivery = buffer.sample(state)")
         with self._changed:
+            self._settle()  # the worker's due updates are in (the priority staleness bound)
             self._wait_until(self._sample_refusal, timeout)
             self._check_recycle(recycle, "sample()")
             with self.timeline.span("sample"):
@@ -205,9 +222,10 @@ class ExperienceDataPlane:
         return delivery
 
     def _check_recycle(self, recycle: Optional[Delivery], where: str) -> None:
-        if recycle is not None and any(recycle.ids is queued.ids for queued in self._in_flight):
-            raise SpecError(f"{where}: recycle is a batch still queued for deliver(); only a delivered batch the "
-                            f"learner is done with can be recycled")
+        if recycle is not None and (any(recycle.ids is queued.delivery.ids for queued in self._in_flight)
+                                    or (self._recycle is not None and recycle.ids is self._recycle.ids)):
+            raise SpecError(f"{where}: recycle is a batch still queued for deliver() (or already handed over for "
+                            f"recycling); only a delivered batch the learner is done with can be recycled")
         if recycle is not None:
             self.engine.check_recycle(recycle, where)
 
@@ -243,43 +261,106 @@ class ExperienceDataPlane:
     # -- delivery under a schedule ----------------------------------------------------------------------------------
     def deliver(self, *, timeout: Optional[float] = 0.0, recycle: Optional[Delivery] = None) -> Delivery:
         """The learner's next batch, under the plane's ``schedule`` (see schedule.py); the batch is ready (computed)
-        when this returns, and the time spent waiting here is the exposed experience-path latency.
+        when this returns, and the time spent here is the exposed experience-path latency.
 
-        With ``overlap``/``deferred``/``adaptive`` the batch was dispatched during earlier learner steps and the next
-        ones are dispatched before this returns. ``timeout`` applies when no batch is in flight (as in ``sample``).
-        ``recycle``: a delivered batch the learner is done with (as in ``sample``); the first batch this call
-        dispatches is written into its buffers. When this call dispatches none, it is left as it is.
+        With ``overlap``/``deferred``/``adaptive`` the delivery worker dispatched the batch during earlier learner
+        steps and waited for it; this call hands it over and lets the worker draw the next one. An error the worker
+        met since the last call (e.g. a rejected deferred priority update) is raised here. ``timeout`` applies when
+        no batch is in flight (as in ``sample``). ``recycle``: a delivered batch the learner is done with (as in
+        ``sample``); the next batch drawn is written into its buffers (a refused draw leaves it as it is).
         """
         runtime.refuse_under_trace("deliver()", "state, delivery = buffer.sample(state)")
-        with self._changed:
-            self._check_recycle(recycle, "deliver()")
         start = time.perf_counter()
-        if self._last_delivery_end is not None:
-            self.timeline.record("learner", self._last_delivery_end, start)
-            self._smooth("learner", start - self._last_delivery_end)
-        self._apply_due_updates()
-        if not self._in_flight:
-            self._in_flight.append(self.sample(timeout=timeout, recycle=recycle))
-            recycle = None
-        delivery = self._in_flight.popleft()
+        worker = self._worker
+        with self._changed:
+            if worker is not None:
+                worker.raise_error()
+            if recycle is not None:
+                self._check_recycle(recycle, "deliver()")
+            if self._last_delivery_end is not None:
+                self.timeline.record("learner", self._last_delivery_end, start)
+                self._smooth("learner", start - self._last_delivery_end)
+            if not self._in_flight:  # the worker may be drawing one (e.g. kicked by the ingest of a rollout)
+                self._settle()
+            if not self._in_flight:  # nothing prefetched: draw on this thread, as sync does
+                self._apply_due_updates()
+                self._in_flight.append(Prefetched(self.sample(timeout=timeout, recycle=recycle), self._epoch))
+                recycle = None
+            batch = self._in_flight.popleft()
+            if worker is None:  # sync, or a closed worker: the refills are dispatched here
+                self._advance()
+                while len(self._in_flight) < self._depth and self.can_sample():
+                    self._in_flight.append(Prefetched(self.sample(recycle=recycle), self._epoch))
+                    recycle = None
+            elif recycle is not None:
+                self._recycle = recycle
+        if not batch.ready:
+            jax.block_until_ready(batch.delivery)
+        delivery = batch.delivery
+        if batch.epoch != self._epoch:  # drawn before a policy-version switch: it may be too old now
+            fresh = replay.is_fresh(self.config, delivery.data, self.state.policy_version)
+            delivery = jax.block_until_ready(delivery._replace(
+                mask=fresh if delivery.mask is None else delivery.mask & fresh))
+        end = self._last_delivery_end = time.perf_counter()
+        self.timeline.record("exposed", start, end)
+        self._smooth("exposed", end - start)
+        if worker is not None:
+            with self._changed:  # the step moves once the delivery is complete (the priority staleness bound)
+                self._advance()
+                worker.kick()
+        return delivery
+
+    def _advance(self) -> None:
         self._step += 1
         self._depth = self.schedule.next_depth(self._depth, self._smoothed["exposed"], self._smoothed["learner"])
-        while len(self._in_flight) < self._depth and self.can_sample():
-            self._in_flight.append(self.sample(recycle=recycle))
-            recycle = None
-        if self.config.staleness is not None:  # a batch dispatched before a policy-version switch may be too old now
-            fresh = replay.is_fresh(self.config, delivery.data, self.state.policy_version)
-            delivery = delivery._replace(mask=fresh if delivery.mask is None else delivery.mask & fresh)
-        jax.block_until_ready(delivery)
-        self._last_delivery_end = time.perf_counter()
-        self.timeline.record("exposed", start, self._last_delivery_end)
-        self._smooth("exposed", self._last_delivery_end - start)
-        return delivery
+
+    def _poll(self):
+        """The delivery worker's unit of work, under the lock (see delivery.py): due deferred updates in, then one
+        more batch dispatched while the schedule wants one and the plane admits it, then the oldest batch not known
+        to be computed waited for. Returns what to wait for without the lock, or None when there is nothing."""
+        computing = self._deferred.computing(self._step) if self._deferred is not None else ()
+        if computing:  # due TD errors still being computed: wait for them without the lock, then check them
+            return lambda: jax.block_until_ready(computing) and None
+        try:
+            self._apply_due_updates()
+        except PriorityError as error:  # raised by the learner's next deliver(); the valid updates still apply
+            self._worker.report(error)
+        if len(self._in_flight) < self._depth and self._sample_refusal() is None:
+            recycle, self._recycle = self._recycle, None
+            self._in_flight.append(Prefetched(self.sample(recycle=recycle), self._epoch))
+            return _nothing  # released between dispatches, so the learner's calls get in
+        batch = next((b for b in self._in_flight if not b.ready), None)
+        return None if batch is None else batch.wait
+
+    def _settle(self) -> None:
+        if self._worker is not None:
+            self._worker.settle()
+
+    def _kick(self) -> None:
+        if self._worker is not None:
+            self._worker.kick()
+
+    def close(self) -> None:
+        """Stop the delivery worker (a prefetching schedule's thread); batches in flight stay deliverable, and later
+        refills are dispatched by ``deliver()`` itself. Idempotent; the plane stays usable."""
+        worker = self._worker
+        if worker is not None:
+            worker.close()
+            with self._changed:
+                self._worker, self._recycle = None, None
+
+    def __enter__(self) -> "ExperienceDataPlane":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def in_flight(self) -> tuple[Delivery, ...]:
         """The batches the schedule dispatched and ``deliver()`` has not handed out yet, oldest first (to watch them
         compute; each is still the plane's until delivered, so it cannot be recycled)."""
-        return tuple(self._in_flight)
+        with self._changed:
+            self._settle()
+            return tuple(batch.delivery for batch in self._in_flight)
 
     @property
     def prefetch_depth(self) -> int:
@@ -316,12 +397,13 @@ class ExperienceDataPlane:
         if self.sampler.update is None:
             raise ConfigError(f"update_priorities(): the {self.sampler.name} sampler has no priorities; build the "
                               f"plane with samplers.prioritized(...) to use them")
-        if self.schedule.defer:
+        if self._deferred is not None:
             # queued as given (reading device arrays now would wait for the learner step that computes them);
-            # checked when applied, k steps later
+            # checked when applied, k steps later (by the delivery worker, before its next draw)
             with self._changed:
-                self._queued_updates.append((self._step, ids, priorities))
-            self._apply_due_updates()
+                self._deferred.report(self._step, ids, priorities)
+            if self._worker is None:
+                self._apply_due_updates()
             return
         checked = checked_priority_update(ids, priorities, self.capacity)
         with self._changed:
@@ -329,23 +411,13 @@ class ExperienceDataPlane:
 
     def _apply_due_updates(self, everything: bool = False) -> None:
         """Deferred policy: queue for the next kernel, checked, every update reported at a step <= current - k (all of
-        them with ``everything``)."""
-        due = []
+        them with ``everything``); a rejected one raises ``PriorityError`` once the valid ones are queued."""
+        if self._deferred is None:
+            return
         with self._changed:
-            while self._queued_updates and (everything or
-                                            self._queued_updates[0][0] <= self._step - self.schedule.defer):
-                due.append(self._queued_updates.popleft())
-        checked, rejected = [], None
-        for step, ids, priorities in due:
-            try:
-                checked.append(checked_priority_update(ids, priorities, self.capacity))
-            except PriorityError as error:  # this update is dropped; the valid ones still apply
-                rejected = rejected or PriorityError(f"{error} (deferred update reported at step {step}, not "
-                                                     f"applied)")
-        if checked:
-            with self._changed:
-                self._pending_updates.append((np.concatenate([ids for ids, _ in checked]),
-                                              np.concatenate([prio for _, prio in checked])))
+            checked, rejected = self._deferred.take_due(self._step, everything)
+            if checked is not None:
+                self._pending_updates.append(checked)
         if rejected is not None:
             raise rejected
 
@@ -371,7 +443,7 @@ class ExperienceDataPlane:
 
         Deferred priority updates are applied first, so the checkpoint holds them. A queue's prefetched batches have
         already left the queue: saving then would lose them, so it is refused until they are delivered."""
-        with self._changed:
+        with self.held():
             if self.sampler.consumes and self._in_flight:
                 raise ConfigError(f"save(): {len(self._in_flight)} prefetched {self.sampler.name} batches are in "
                                   f"flight; deliver() them first (their items have left the queue and a checkpoint "
@@ -425,7 +497,9 @@ class ExperienceDataPlane:
                 raise ConfigError(f"set_policy_version(): versions only move forward; the plane is at {current}, "
                                   f"got {version}")
             self.engine.set_policy_version(version)
+            self._epoch += 1  # batches drawn before this are re-checked when delivered
             self._changed.notify_all()
+            self._kick()
 
     # -- status -------------------------------------------------------------------------------------------------
     def _known(self, need_deliverable: bool = False) -> dict[str, Any]:
@@ -445,3 +519,16 @@ class ExperienceDataPlane:
             out = self.engine.stats()
         out.update(schedule=self.schedule.name, prefetch_depth=self._depth, stages=self.timeline.summary())
         return out
+
+
+def _poller(plane_ref):
+    """The delivery worker's ``poll``: the plane's, reached through a weak reference (None once it is freed)."""
+    def poll():
+        plane = plane_ref()
+        return None if plane is None else plane._poll()
+
+    return poll
+
+
+def _nothing() -> None:
+    return None

@@ -497,6 +497,7 @@ def test_deliver_recycles_into_the_next_dispatch_and_refuses_a_queued_batch(stat
     _assert_same_delivery(plain.deliver(), previous)
     for _ in range(3):
         delivery = recycling.deliver(recycle=previous)
+        recycling.in_flight()  # waits for the delivery worker's refill, which takes the recycled buffers
         assert previous.ids.is_deleted()  # the batch dispatched behind this one went into its buffers
         _assert_same_delivery(plain.deliver(), delivery)
         previous = delivery

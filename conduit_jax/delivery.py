@@ -1,0 +1,200 @@
+"""The delivery worker: a daemon thread that does a prefetching schedule's host work off the learner's thread.
+
+Under ``overlap`` / ``deferred`` / ``adaptive`` the plane (``plane.py``) owns one ``DeliveryWorker``. The worker runs
+the plane's ``poll`` while holding the plane's lock: ``poll`` does what the schedule asks for now (apply the deferred
+priority updates that are due, check the rate limiter and the sampler's refusals, dispatch the next batch) and
+returns what is left to wait for (a batch computing, a learner step computing the TD errors of a due update) as a
+function the worker runs *without* the lock; what that returns runs under the lock again (e.g. mark the batch
+ready). So ``deliver()`` on the learner's thread only hands over a batch that is already finished, and the learner's
+own calls (``ingest``, ``update_priorities``) never wait for a kernel the worker waits for.
+
+The plane wakes the worker (``kick``) after every call that can make work possible (a delivery, an ingest, a
+policy-version switch, a new state); ``settle`` waits until the worker has done everything it can do now, which
+gives calls that read the plane's host bookkeeping (``stats``, ``save``, ``held``) the state they would see without
+a thread. An exception raised on the worker is kept and raised by the learner's next ``deliver()``
+(``raise_error``); the worker carries on with the next kick.
+
+Lifetime: the thread holds no reference to the plane (``poll`` reaches it through a weak reference), so an unclosed
+plane is collected as usual and its worker stops (``weakref.finalize`` in the plane); ``close`` stops it at once, and
+an ``atexit`` hook closes every worker still running, so the interpreter never waits on one at exit.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import threading
+import weakref
+from typing import Callable, Optional
+
+import jax
+import numpy as np
+
+from conduit_jax.errors import PriorityError
+from conduit_jax.spec import checked_priority_update
+
+_running: "weakref.WeakSet[DeliveryWorker]" = weakref.WeakSet()  # workers whose thread may still run
+
+
+@atexit.register
+def _close_all() -> None:
+    for worker in list(_running):
+        worker.close(timeout=1.0)
+
+
+class DeliveryWorker:
+    """A daemon thread that calls ``poll()`` under ``lock`` whenever it is kicked, until ``poll`` returns None.
+
+    ``poll() -> None | outside``: None when there is nothing to do now; else ``outside()`` runs without the lock and
+    returns None or ``inside``, which runs under the lock. Then the worker polls again.
+    """
+
+    def __init__(self, lock: threading.Condition, poll: Callable[[], Optional[Callable]], name: str):
+        self._lock, self._poll = lock, poll
+        self._kicked = False  # work may be possible: poll again
+        self._busy = False  # between a kick and the poll that finds nothing to do
+        self._closed = False
+        self._error: Optional[BaseException] = None
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        _running.add(self)
+        self._thread.start()
+
+    # -- called by the plane, holding the lock ------------------------------------------------------------------------
+    def kick(self) -> None:
+        """Something changed: poll again soon. The caller holds the lock."""
+        self._kicked = True
+        self._lock.notify_all()
+
+    @property
+    def idle(self) -> bool:
+        """Whether the worker has done everything it can do now (or has stopped). The caller holds the lock."""
+        return self._closed or not (self._kicked or self._busy)
+
+    def settle(self) -> None:
+        """Wait (the caller holds the lock, which the wait releases) until the worker is idle. On the worker's own
+        thread (a ``poll`` that reads the plane) there is nothing to wait for."""
+        if threading.current_thread() is self._thread:
+            return
+        while not self.idle:
+            self._lock.wait()
+
+    def raise_error(self) -> None:
+        """Raise (once) the exception the worker met since the last call, if any. The caller holds the lock."""
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def close(self, timeout: Optional[float] = 5.0) -> None:
+        """Stop the thread (it finishes the wait it is in, if any) and join it."""
+        with self._lock:
+            self._closed = True
+            self._lock.notify_all()
+        _running.discard(self)
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
+    # -- the thread -------------------------------------------------------------------------------------------------
+    def report(self, error: BaseException) -> None:
+        """Keep ``error`` for ``raise_error`` (a ``poll`` that carries on after a rejected input)."""
+        if self._error is None:
+            self._error = error
+
+    def _run(self) -> None:
+        after = None
+        while True:
+            with self._lock:
+                self._guarded(after)  # what the last wait finished, recorded under the lock
+                outside = None
+                while not self._closed:
+                    if self._kicked:
+                        self._kicked, self._busy = False, True
+                    if self._busy:
+                        outside = self._guarded(self._poll)
+                        if outside is not None:
+                            break
+                        self._busy = False
+                        self._lock.notify_all()  # settle() waits for this
+                    self._lock.wait()
+                if self._closed:
+                    self._busy = False
+                    self._lock.notify_all()
+                    return
+            after = self._guarded(outside)  # without the lock: returns None or what runs under it next
+
+    def _guarded(self, step: Optional[Callable]) -> Optional[Callable]:
+        """``step()``, an exception kept for ``raise_error`` (the first one until it is raised)."""
+        if step is None:
+            return None
+        try:
+            return step()
+        except BaseException as error:  # noqa: BLE001 - surfaced on the learner's thread by raise_error
+            self.report(error)
+            return None
+
+
+class Prefetched:
+    """A batch the schedule dispatched ahead: the ``Delivery``, the plane's policy-version epoch when it was drawn
+    (delivered from a later epoch, it is re-checked for staleness), and whether it is known to be computed."""
+
+    __slots__ = ("delivery", "epoch", "ready")
+
+    def __init__(self, delivery, epoch: int, ready: bool = False):
+        self.delivery, self.epoch, self.ready = delivery, epoch, ready
+
+    def wait(self) -> Callable[[], None]:
+        """Block until the batch is computed (without the plane's lock); returns what marks it ready (under it). A
+        batch the learner took, waited for and donated meanwhile (``recycle``) is done too."""
+        try:
+            jax.block_until_ready(self.delivery)
+        except RuntimeError:
+            if not any(leaf.is_deleted() for leaf in jax.tree_util.tree_leaves(self.delivery)):
+                raise
+        return self._mark_ready
+
+    def _mark_ready(self) -> None:
+        self.ready = True
+
+
+class DeferredUpdates:
+    """The priority updates a ``deferred`` schedule queued on the host, as reported (device arrays are not read, so
+    the learner never waits for its own TD errors), and checked when they are due: ``k`` deliveries later."""
+
+    def __init__(self, k: int, capacity: int):
+        self.k, self.capacity = k, capacity
+        self._queue: collections.deque = collections.deque()  # (step, ids, priorities)
+
+    def report(self, step: int, ids, priorities) -> None:
+        self._queue.append((step, ids, priorities))
+
+    def count(self) -> int:
+        """Ids queued, not applied yet."""
+        return sum(len(ids) for _, ids, _ in self._queue)
+
+    def _due(self, step: int, everything: bool):
+        return [entry for entry in self._queue if everything or entry[0] <= step - self.k]
+
+    def computing(self, step: int) -> list:
+        """The device arrays of the updates due at ``step`` that are still being computed (empty: taking them now
+        does not wait)."""
+        return [leaf for _, ids, priorities in self._due(step, False) for leaf in (ids, priorities)
+                if isinstance(leaf, jax.Array) and not leaf.is_ready()]
+
+    def take_due(self, step: int, everything: bool = False):
+        """Remove the updates due at ``step`` (all with ``everything``) and check them: ``(ids, priorities)``
+        concatenated over the valid ones (or None), and a ``PriorityError`` naming the step of the first rejected
+        one (or None; a rejected update is dropped whole, the valid ones still apply)."""
+        checked, rejected = [], None
+        while self._queue and (everything or self._queue[0][0] <= step - self.k):
+            reported, ids, priorities = self._queue.popleft()
+            try:
+                checked.append(checked_priority_update(ids, priorities, self.capacity))
+            except PriorityError as error:
+                rejected = rejected or PriorityError(f"{error} (deferred update reported at step {reported}, not "
+                                                     f"applied)")
+        if not checked:
+            return None, rejected
+        return (np.concatenate([ids for ids, _ in checked]), np.concatenate([p for _, p in checked])), rejected
