@@ -24,6 +24,7 @@ from __future__ import annotations
 import atexit
 import collections
 import threading
+import time
 import weakref
 from typing import Callable, Optional
 
@@ -198,3 +199,149 @@ class DeferredUpdates:
         if not checked:
             return None, rejected
         return (np.concatenate([ids for ids, _ in checked]), np.concatenate([p for _, p in checked])), rejected
+
+
+class Scheduler:
+    """A schedule carried out for one plane: its batches in flight, deferred updates, step count and prefetch depth,
+    and the worker when the schedule prefetches. Every method is called holding ``lock`` (the plane's), except
+    ``deliver`` and ``report_update``, which take it.
+
+    The plane's side comes as callables that reach it through a weak reference (so the worker's thread keeps no
+    plane alive): ``draw(recycle=, timeout=)`` dispatches one batch (``plane.sample``), ``admits()`` tells whether
+    the plane would deliver one now without waiting, ``pend(checked)`` queues checked priority updates for the next
+    kernel, ``refresh(delivery)`` re-checks a delivery's staleness mask against the current policy version.
+    """
+
+    def __init__(self, schedule, lock: threading.Condition, capacity: int, *, draw, admits, pend, refresh):
+        self.schedule, self.lock = schedule, lock
+        self._draw, self._admits, self._pend, self._refresh = draw, admits, pend, refresh
+        self.in_flight: collections.deque = collections.deque()  # Prefetched, oldest first
+        self.deferred = DeferredUpdates(schedule.defer, capacity) if schedule.defer else None
+        self.depth = schedule.depth  # current prefetch depth (moves under the adaptive policy)
+        self.step = 0  # deliver() calls completed
+        self.epoch = 0  # policy-version switches and state assignments: an older batch is re-checked when delivered
+        self.recycle = None  # a batch deliver() handed over for the worker's next draw
+        self._last_end: Optional[float] = None
+        self._smoothed = {"exposed": 0.0, "learner": 0.0}  # exponential averages (s) the adaptive policy reads
+        self.worker = DeliveryWorker(lock, self.poll, "conduit-delivery") if schedule.depth else None
+
+    # -- the plane's hooks ----------------------------------------------------------------------------------------
+    def kick(self) -> None:
+        """Something changed (an ingest, a version switch, a new state): the worker looks for work."""
+        if self.worker is not None:
+            self.worker.kick()
+
+    def settle(self) -> None:
+        """Wait until the worker has done what it can now: the host bookkeeping is what it would be without one."""
+        if self.worker is not None:
+            self.worker.settle()
+
+    def switched(self) -> None:
+        """The policy version may have moved: batches drawn before are re-checked when delivered."""
+        self.epoch += 1
+        self.kick()
+
+    def holds(self, delivery) -> bool:
+        """Whether ``delivery`` is still the plane's (queued, or handed over for recycling): not recyclable."""
+        return any(delivery.ids is queued.delivery.ids for queued in self.in_flight) or (
+            self.recycle is not None and delivery.ids is self.recycle.ids)
+
+    def close(self) -> None:
+        worker = self.worker
+        if worker is not None:
+            worker.close()
+            with self.lock:
+                self.worker, self.recycle = None, None
+
+    # -- deferred priority updates ----------------------------------------------------------------------------------
+    def report_update(self, ids, priorities) -> None:
+        """Queue an update as reported (``deferred``). With a worker, first wait for the TD errors it applies before
+        its next draw, so the learner runs at most k - 1 steps ahead of its own TD errors and that wait never lands
+        in ``deliver()`` (where the next batch would queue behind them)."""
+        with self.lock:
+            self.deferred.report(self.step, ids, priorities)
+            computing = self.deferred.computing(self.step + 1) if self.worker is not None else ()
+        if computing:
+            jax.block_until_ready(computing)
+        if self.worker is None:
+            self.apply_due()
+
+    def apply_due(self, everything: bool = False) -> None:
+        """Queue for the next kernel, checked, every deferred update reported at a step <= current - k (all of them
+        with ``everything``); a rejected one raises ``PriorityError`` once the valid ones are queued."""
+        if self.deferred is None:
+            return
+        with self.lock:
+            checked, rejected = self.deferred.take_due(self.step, everything)
+            if checked is not None:
+                self._pend(checked)
+        if rejected is not None:
+            raise rejected
+
+    # -- delivery ---------------------------------------------------------------------------------------------------
+    def deliver(self, timeline, timeout: Optional[float], recycle, check_recycle):
+        """``plane.deliver()``: hand over the oldest batch in flight (drawn here when there is none), computed."""
+        start = time.perf_counter()
+        worker = self.worker
+        with self.lock:
+            if worker is not None:
+                worker.raise_error()
+            if recycle is not None:
+                check_recycle(recycle, "deliver()")
+            if self._last_end is not None:
+                timeline.record("learner", self._last_end, start)
+                self._smooth("learner", start - self._last_end)
+            if not self.in_flight:  # the worker may be drawing one (e.g. kicked by the ingest of a rollout)
+                self.settle()
+            if not self.in_flight:  # nothing prefetched: draw on this thread, as sync does
+                self.apply_due()
+                self.in_flight.append(Prefetched(self._draw(timeout=timeout, recycle=recycle), self.epoch))
+                recycle = None
+            batch = self.in_flight.popleft()
+            if worker is None:  # sync, or a closed worker: the refills are dispatched here
+                self._advance()
+                while len(self.in_flight) < self.depth and self._admits():
+                    self.in_flight.append(Prefetched(self._draw(recycle=recycle), self.epoch))
+                    recycle = None
+            elif recycle is not None:
+                self.recycle = recycle
+        if not batch.ready:
+            jax.block_until_ready(batch.delivery)
+        delivery = batch.delivery if batch.epoch == self.epoch else self._refresh(batch.delivery)
+        end = self._last_end = time.perf_counter()
+        timeline.record("exposed", start, end)
+        self._smooth("exposed", end - start)
+        if worker is not None:
+            with self.lock:  # the step moves once the delivery is complete (the priority staleness bound)
+                self._advance()
+                worker.kick()
+        return delivery
+
+    def _advance(self) -> None:
+        self.step += 1
+        self.depth = self.schedule.next_depth(self.depth, self._smoothed["exposed"], self._smoothed["learner"])
+
+    def _smooth(self, stage: str, seconds: float, weight: float = 0.1) -> None:
+        self._smoothed[stage] += weight * (seconds - self._smoothed[stage])
+
+    def poll(self):
+        """The worker's unit of work, under the lock: due deferred updates in, then one more batch dispatched while
+        the schedule wants one and the plane admits it, then the oldest batch not known to be computed waited for.
+        Returns what to wait for without the lock (``DeliveryWorker``), or None when there is nothing to do."""
+        computing = self.deferred.computing(self.step) if self.deferred is not None else ()
+        if computing:  # due TD errors still being computed: wait for them without the lock, then check them
+            return lambda: jax.block_until_ready(computing) and None
+        try:
+            self.apply_due()
+        except PriorityError as error:  # raised by the learner's next deliver(); the valid updates still apply
+            self.worker.report(error)
+        if len(self.in_flight) < self.depth and self._admits():
+            recycle, self.recycle = self.recycle, None
+            self.in_flight.append(Prefetched(self._draw(recycle=recycle), self.epoch))
+            return _nothing  # the lock is released between dispatches, so the learner's calls get in
+        batch = next((b for b in self.in_flight if not b.ready), None)
+        return None if batch is None else batch.wait
+
+
+def _nothing() -> None:
+    return None

@@ -9,7 +9,6 @@ derived from it (the status counters) or transient delivery bookkeeping (batches
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import functools
 import threading
@@ -23,10 +22,9 @@ from jax.sharding import Mesh
 
 from conduit_jax import checkpoint, functional, limits, metrics, replay, runtime, samplers
 from conduit_jax import schedule as schedule_lib
-from conduit_jax.delivery import DeferredUpdates, DeliveryWorker, Prefetched
+from conduit_jax.delivery import Scheduler
 from conduit_jax.engine import Engine, pack_updates
-from conduit_jax.errors import (CapacityError, ConfigError, NotEnoughDataError, PriorityError, RateLimitedError,
-                                SpecError)
+from conduit_jax.errors import CapacityError, ConfigError, NotEnoughDataError, RateLimitedError, SpecError
 from conduit_jax.limits import LimiterState, Staleness
 from conduit_jax.replay import Delivery, ReplayState
 from conduit_jax.spec import checked_priority_update
@@ -72,21 +70,15 @@ class ExperienceDataPlane:
             self.engine.state = state
         self.timeline = metrics.Timeline()  # wall-clock spans per stage (see metrics.py)
         self._changed = threading.Condition()  # guards state; notified after every ingest and sample
-        self._in_flight: collections.deque = collections.deque()  # Prefetched batches, not yet delivered
-        self._deferred = DeferredUpdates(self.schedule.defer, self.capacity) if self.schedule.defer else None
         # checked priority updates not yet in the state: the next sample applies them in its own kernel call (one
         # dispatch for both); anything else that reads the state applies them first (_flush_updates)
         self._pending_updates: list[tuple[np.ndarray, np.ndarray]] = []
-        self._depth = self.schedule.depth  # current prefetch depth (moves under the adaptive policy)
-        self._step = 0  # deliver() calls so far
-        self._last_delivery_end: Optional[float] = None
-        self._smoothed = {"exposed": 0.0, "learner": 0.0}  # exponential averages (s) the adaptive policy reads
-        self._epoch = 0  # policy-version switches and state assignments: an older batch is re-checked when delivered
-        self._recycle: Optional[Delivery] = None  # a batch deliver() handed over for the worker's next draw
-        self._worker: Optional[DeliveryWorker] = None
-        if self.schedule.depth:  # the worker reaches the plane through a weak reference: an unclosed plane is freed
-            self._worker = DeliveryWorker(self._changed, _poller(weakref.ref(self)), "conduit-delivery")
-            weakref.finalize(self, self._worker.close, 0.0)
+        # the schedule's host side (batches in flight, deferred updates, the delivery worker); it reaches the plane
+        # through weak references, so an unclosed plane is freed as usual and its worker stops
+        self._schedule = Scheduler(self.schedule, self._changed, self.capacity, draw=_weakly(self, "sample"),
+                                   admits=_weakly(self, "can_sample"), pend=self._pending_updates.append,
+                                   refresh=_weakly(self, "_refreshed"))
+        weakref.finalize(self, self._schedule.close)
 
     # -- the state ------------------------------------------------------------------------------------------------
     @property
@@ -100,11 +92,10 @@ class ExperienceDataPlane:
     def state(self, value: Optional[ReplayState]) -> None:
         runtime.refuse_under_trace("plane.state = ...", "assign the state your jitted function returns")
         with self._changed:
-            self._settle()
+            self._schedule.settle()
             self._flush_updates()  # they were reported against the state being replaced; keep the order of calls
             self.engine.state = value
-            self._epoch += 1  # its policy version may differ
-            self._kick()
+            self._schedule.switched()  # its policy version may differ
 
     @property
     def shardings(self):
@@ -122,15 +113,15 @@ class ExperienceDataPlane:
         What a consistent snapshot needs (``checkpoint.save`` reads ``state`` and ``host_side()`` under it); the
         delivery worker has done what it could first, so the block sees what a plane without one would."""
         with self._changed:
-            self._settle()
+            self._schedule.settle()
             self._flush_updates()
             yield self
 
     def host_side(self) -> dict[str, int]:
         """What lives on the host outside ``state``: batches in flight (for a consuming sampler their items have left
         the queue) and deferred priority updates not yet applied (their id count)."""
-        return {"in_flight": len(self._in_flight),
-                "deferred_updates": 0 if self._deferred is None else self._deferred.count()}
+        deferred = self._schedule.deferred
+        return {"in_flight": len(self._schedule.in_flight), "deferred_updates": deferred.count() if deferred else 0}
 
     def block_until_ready(self) -> "ExperienceDataPlane":
         """Wait until every kernel dispatched on the state so far has finished."""
@@ -175,7 +166,7 @@ class ExperienceDataPlane:
             with self.timeline.span("ingest"):
                 self.engine.ingest(batch, n)
             self._changed.notify_all()
-            self._kick()  # a rollout's first minibatches are staged as it is ingested
+            self._schedule.kick()  # the worker stages a rollout's first minibatches as it is ingested
 
     def can_ingest(self, n: int = 1) -> bool:
         """Whether ``n`` items would be admitted now (rate limiter and queue capacity)."""
@@ -213,7 +204,7 @@ class ExperienceDataPlane:
         """
         runtime.refuse_under_trace("sample()", "state, delivery = buffer.sample(state)")
         with self._changed:
-            self._settle()  # the worker's due updates are in (the priority staleness bound)
+            self._schedule.settle()  # the worker's due updates are in (the priority staleness bound)
             self._wait_until(self._sample_refusal, timeout)
             self._check_recycle(recycle, "sample()")
             with self.timeline.span("sample"):
@@ -222,8 +213,7 @@ class ExperienceDataPlane:
         return delivery
 
     def _check_recycle(self, recycle: Optional[Delivery], where: str) -> None:
-        if recycle is not None and (any(recycle.ids is queued.delivery.ids for queued in self._in_flight)
-                                    or (self._recycle is not None and recycle.ids is self._recycle.ids)):
+        if recycle is not None and self._schedule.holds(recycle):
             raise SpecError(f"{where}: recycle is a batch still queued for deliver() (or already handed over for "
                             f"recycling); only a delivered batch the learner is done with can be recycled")
         if recycle is not None:
@@ -270,84 +260,17 @@ class ExperienceDataPlane:
         ``sample``); the next batch drawn is written into its buffers (a refused draw leaves it as it is).
         """
         runtime.refuse_under_trace("deliver()", "state, delivery = buffer.sample(state)")
-        start = time.perf_counter()
-        worker = self._worker
-        with self._changed:
-            if worker is not None:
-                worker.raise_error()
-            if recycle is not None:
-                self._check_recycle(recycle, "deliver()")
-            if self._last_delivery_end is not None:
-                self.timeline.record("learner", self._last_delivery_end, start)
-                self._smooth("learner", start - self._last_delivery_end)
-            if not self._in_flight:  # the worker may be drawing one (e.g. kicked by the ingest of a rollout)
-                self._settle()
-            if not self._in_flight:  # nothing prefetched: draw on this thread, as sync does
-                self._apply_due_updates()
-                self._in_flight.append(Prefetched(self.sample(timeout=timeout, recycle=recycle), self._epoch))
-                recycle = None
-            batch = self._in_flight.popleft()
-            if worker is None:  # sync, or a closed worker: the refills are dispatched here
-                self._advance()
-                while len(self._in_flight) < self._depth and self.can_sample():
-                    self._in_flight.append(Prefetched(self.sample(recycle=recycle), self._epoch))
-                    recycle = None
-            elif recycle is not None:
-                self._recycle = recycle
-        if not batch.ready:
-            jax.block_until_ready(batch.delivery)
-        delivery = batch.delivery
-        if batch.epoch != self._epoch:  # drawn before a policy-version switch: it may be too old now
-            fresh = replay.is_fresh(self.config, delivery.data, self.state.policy_version)
-            delivery = jax.block_until_ready(delivery._replace(
-                mask=fresh if delivery.mask is None else delivery.mask & fresh))
-        end = self._last_delivery_end = time.perf_counter()
-        self.timeline.record("exposed", start, end)
-        self._smooth("exposed", end - start)
-        if worker is not None:
-            with self._changed:  # the step moves once the delivery is complete (the priority staleness bound)
-                self._advance()
-                worker.kick()
-        return delivery
+        return self._schedule.deliver(self.timeline, timeout, recycle, self._check_recycle)
 
-    def _advance(self) -> None:
-        self._step += 1
-        self._depth = self.schedule.next_depth(self._depth, self._smoothed["exposed"], self._smoothed["learner"])
-
-    def _poll(self):
-        """The delivery worker's unit of work, under the lock (see delivery.py): due deferred updates in, then one
-        more batch dispatched while the schedule wants one and the plane admits it, then the oldest batch not known
-        to be computed waited for. Returns what to wait for without the lock, or None when there is nothing."""
-        computing = self._deferred.computing(self._step) if self._deferred is not None else ()
-        if computing:  # due TD errors still being computed: wait for them without the lock, then check them
-            return lambda: jax.block_until_ready(computing) and None
-        try:
-            self._apply_due_updates()
-        except PriorityError as error:  # raised by the learner's next deliver(); the valid updates still apply
-            self._worker.report(error)
-        if len(self._in_flight) < self._depth and self._sample_refusal() is None:
-            recycle, self._recycle = self._recycle, None
-            self._in_flight.append(Prefetched(self.sample(recycle=recycle), self._epoch))
-            return _nothing  # released between dispatches, so the learner's calls get in
-        batch = next((b for b in self._in_flight if not b.ready), None)
-        return None if batch is None else batch.wait
-
-    def _settle(self) -> None:
-        if self._worker is not None:
-            self._worker.settle()
-
-    def _kick(self) -> None:
-        if self._worker is not None:
-            self._worker.kick()
+    def _refreshed(self, delivery: Delivery) -> Delivery:
+        """``delivery`` (drawn before a policy-version switch) with its mask re-checked against the current version."""
+        fresh = replay.is_fresh(self.config, delivery.data, self.state.policy_version)
+        return jax.block_until_ready(delivery._replace(mask=fresh if delivery.mask is None else delivery.mask & fresh))
 
     def close(self) -> None:
         """Stop the delivery worker (a prefetching schedule's thread); batches in flight stay deliverable, and later
         refills are dispatched by ``deliver()`` itself. Idempotent; the plane stays usable."""
-        worker = self._worker
-        if worker is not None:
-            worker.close()
-            with self._changed:
-                self._worker, self._recycle = None, None
+        self._schedule.close()
 
     def __enter__(self) -> "ExperienceDataPlane":
         return self
@@ -359,16 +282,13 @@ class ExperienceDataPlane:
         """The batches the schedule dispatched and ``deliver()`` has not handed out yet, oldest first (to watch them
         compute; each is still the plane's until delivered, so it cannot be recycled)."""
         with self._changed:
-            self._settle()
-            return tuple(batch.delivery for batch in self._in_flight)
+            self._schedule.settle()
+            return tuple(batch.delivery for batch in self._schedule.in_flight)
 
     @property
     def prefetch_depth(self) -> int:
         """Batches the schedule keeps in flight now (moves under ``schedule.adaptive``)."""
-        return self._depth
-
-    def _smooth(self, stage: str, seconds: float, weight: float = 0.1) -> None:
-        self._smoothed[stage] += weight * (seconds - self._smoothed[stage])
+        return self._schedule.depth
 
     def _wait_until(self, refusal, timeout: Optional[float]) -> None:
         """Wait (holding the condition) until ``refusal()`` is None; raise its error when ``timeout`` runs out."""
@@ -397,29 +317,14 @@ class ExperienceDataPlane:
         if self.sampler.update is None:
             raise ConfigError(f"update_priorities(): the {self.sampler.name} sampler has no priorities; build the "
                               f"plane with samplers.prioritized(...) to use them")
-        if self._deferred is not None:
+        if self.schedule.defer:
             # queued as given (reading device arrays now would wait for the learner step that computes them);
             # checked when applied, k steps later (by the delivery worker, before its next draw)
-            with self._changed:
-                self._deferred.report(self._step, ids, priorities)
-            if self._worker is None:
-                self._apply_due_updates()
+            self._schedule.report_update(ids, priorities)
             return
         checked = checked_priority_update(ids, priorities, self.capacity)
         with self._changed:
             self._pending_updates.append(checked)
-
-    def _apply_due_updates(self, everything: bool = False) -> None:
-        """Deferred policy: queue for the next kernel, checked, every update reported at a step <= current - k (all of
-        them with ``everything``); a rejected one raises ``PriorityError`` once the valid ones are queued."""
-        if self._deferred is None:
-            return
-        with self._changed:
-            checked, rejected = self._deferred.take_due(self._step, everything)
-            if checked is not None:
-                self._pending_updates.append(checked)
-        if rejected is not None:
-            raise rejected
 
     def _take_pending_updates(self) -> Optional[np.ndarray]:
         """The checked updates not yet in the state, packed for one kernel (``engine.pack_updates``), or None."""
@@ -444,11 +349,11 @@ class ExperienceDataPlane:
         Deferred priority updates are applied first, so the checkpoint holds them. A queue's prefetched batches have
         already left the queue: saving then would lose them, so it is refused until they are delivered."""
         with self.held():
-            if self.sampler.consumes and self._in_flight:
-                raise ConfigError(f"save(): {len(self._in_flight)} prefetched {self.sampler.name} batches are in "
+            if self.sampler.consumes and self._schedule.in_flight:
+                raise ConfigError(f"save(): {len(self._schedule.in_flight)} prefetched {self.sampler.name} batches are in "
                                   f"flight; deliver() them first (their items have left the queue and a checkpoint "
                                   f"would lose them)")
-            self._apply_due_updates(everything=True)
+            self._schedule.apply_due(everything=True)
             return checkpoint.save(self, directory, **options)
 
     @classmethod
@@ -497,9 +402,8 @@ class ExperienceDataPlane:
                 raise ConfigError(f"set_policy_version(): versions only move forward; the plane is at {current}, "
                                   f"got {version}")
             self.engine.set_policy_version(version)
-            self._epoch += 1  # batches drawn before this are re-checked when delivered
+            self._schedule.switched()  # batches drawn before this are re-checked when delivered
             self._changed.notify_all()
-            self._kick()
 
     # -- status -------------------------------------------------------------------------------------------------
     def _known(self, need_deliverable: bool = False) -> dict[str, Any]:
@@ -517,18 +421,19 @@ class ExperienceDataPlane:
         call."""
         with self.held():
             out = self.engine.stats()
-        out.update(schedule=self.schedule.name, prefetch_depth=self._depth, stages=self.timeline.summary())
+        out.update(schedule=self.schedule.name, prefetch_depth=self._schedule.depth, stages=self.timeline.summary())
         return out
 
 
-def _poller(plane_ref):
-    """The delivery worker's ``poll``: the plane's, reached through a weak reference (None once it is freed)."""
-    def poll():
-        plane = plane_ref()
-        return None if plane is None else plane._poll()
 
-    return poll
+def _weakly(plane, method: str):
+    """``plane.<method>`` called through a weak reference (the delivery worker's thread must keep no plane alive)."""
+    ref = weakref.ref(plane)
 
+    def call(*args, **kwargs):
+        target = ref()
+        if target is None:
+            raise ReferenceError("the plane was freed")
+        return getattr(target, method)(*args, **kwargs)
 
-def _nothing() -> None:
-    return None
+    return call

@@ -1,0 +1,111 @@
+"""The delivery worker (delivery.py): a prefetching schedule's host work runs on the plane's own thread, and the
+thread's life is the plane's. What it must not change (rate limiter, FIFO, staleness, priority bound k) is tested for
+every schedule in test_schedule.py; what hides how much is measured by experiments/scheduling.py, never asserted.
+"""
+
+import gc
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+
+from conduit_jax import ExperienceDataPlane, ExperienceSpec, PriorityError, default_mesh, limits, samplers
+from conduit_jax import schedule as schedule_lib
+
+SPEC = ExperienceSpec.from_example({"x": np.int32(0)})
+
+
+def _workers() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "conduit-delivery"]
+
+
+def _sample_threads(plane) -> list[int]:
+    """The thread id of every ``sample`` span (each dispatch of a batch), in order."""
+    return [e["tid"] for e in plane.timeline.chrome_trace()["traceEvents"] if e["name"] == "sample"]
+
+
+def test_refills_are_drawn_and_finished_off_the_learners_thread():
+    """deliver() hands over a batch the worker dispatched and waited for; the learner's thread dispatches none."""
+    plane = ExperienceDataPlane(SPEC, 64, samplers.uniform(8), schedule=schedule_lib.overlap(2), mesh=default_mesh(1))
+    assert plane._schedule.worker is not None and plane._schedule.worker.alive
+    plane.ingest({"x": np.arange(64, dtype=np.int32)})
+    for _ in range(4):
+        plane.deliver()
+        queued = plane.in_flight()  # waits until the worker has done what it can: two batches, both computed
+        assert len(queued) == 2 and all(leaf.is_ready() for leaf in queued[0].data.values())
+    assert threading.get_ident() not in _sample_threads(plane)
+    assert len(ExperienceDataPlane(SPEC, 64, samplers.uniform(8), mesh=default_mesh(1))._schedule.in_flight) == 0
+    plane.close()
+
+
+def test_the_first_minibatches_of_a_rollout_are_staged_as_it_is_ingested():
+    """PPO's pattern (epochs sampler, one rollout per capacity): the ingest wakes the worker, which draws the first
+    `depth` minibatches of the epoch before the learner asks; every item still comes once per epoch."""
+    rollout, batch, epochs = 32, 8, 2
+    plane = ExperienceDataPlane(SPEC, rollout, samplers.epochs(batch), schedule=schedule_lib.deferred(1, 2),
+                                limiter=limits.sample_to_insert_ratio(epochs, 1, (epochs + batch) / 2),
+                                mesh=default_mesh(1))
+    for it in range(2):
+        plane.ingest({"x": np.arange(rollout, dtype=np.int32)})
+        assert len(plane.in_flight()) == 2  # staged with no deliver() called
+        seen = np.concatenate([np.asarray(plane.deliver().data["x"]) for _ in range(epochs * rollout // batch)])
+        assert (np.bincount(seen, minlength=rollout) == epochs).all()
+    assert threading.get_ident() not in _sample_threads(plane)
+    plane.close()
+
+
+def test_a_rejected_deferred_update_surfaces_in_the_next_deliver():
+    """The worker applies due deferred updates before its draws; a bad one (NaN) is raised by the learner's next
+    deliver(), naming the step it was reported at, and the valid ones of the same batch still apply."""
+    plane = ExperienceDataPlane(SPEC, 64, samplers.prioritized(8), schedule=schedule_lib.deferred(1, 2),
+                                mesh=default_mesh(1))
+    plane.ingest({"x": np.arange(64, dtype=np.int32)})
+    delivery = plane.deliver()
+    plane.update_priorities(delivery.ids[:1], np.array([np.nan]))  # reported at step 1, due at step 2
+    plane.update_priorities(delivery.ids[1:2], np.array([50.0]))
+    plane.deliver()  # step 2: the worker applies both when it draws next
+    plane.in_flight()
+    with pytest.raises(PriorityError, match="reported at step 1"):
+        plane.deliver()
+    plane.deliver()  # raised once; the worker carries on
+    assert float(plane.state.sampler.max_priority) == 50.0
+    plane.close()
+
+
+def test_close_stops_the_worker_and_the_plane_keeps_delivering():
+    before = len(_workers())
+    with ExperienceDataPlane(SPEC, 64, samplers.fifo(4), schedule=schedule_lib.overlap(2),
+                             mesh=default_mesh(1)) as plane:
+        plane.ingest({"x": np.arange(32, dtype=np.int32)})
+        got = [np.asarray(plane.deliver().data["x"])]
+        assert len(_workers()) == before + 1
+    assert len(_workers()) == before and plane._schedule.worker is None
+    got += [np.asarray(plane.deliver().data["x"]) for _ in range(7)]  # refills dispatched by deliver() itself
+    np.testing.assert_array_equal(np.concatenate(got), np.arange(32))  # FIFO order, each item once
+    plane.close()  # idempotent
+
+
+def test_an_unclosed_plane_is_freed_and_its_worker_stops():
+    plane = ExperienceDataPlane(SPEC, 64, samplers.uniform(8), schedule=schedule_lib.adaptive(2, 1),
+                                mesh=default_mesh(1))
+    plane.ingest({"x": np.arange(64, dtype=np.int32)})
+    plane.deliver()
+    thread = plane._schedule.worker._thread
+    del plane
+    gc.collect()
+    thread.join(10)
+    assert not thread.is_alive()
+
+
+def test_the_interpreter_exits_with_a_busy_unclosed_plane():
+    code = ("import numpy as np, conduit_jax as cj\n"
+            "spec = cj.ExperienceSpec.from_example({'x': np.int32(0)})\n"
+            "plane = cj.ExperienceDataPlane(spec, 64, cj.samplers.uniform(8), schedule=cj.schedule.overlap(2),"
+            " mesh=cj.default_mesh(1))\n"
+            "plane.ingest({'x': np.arange(64, dtype=np.int32)})\n"
+            "keep = [plane.deliver() for _ in range(3)]\n"
+            "print('done')\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and result.stdout.strip() == "done", result.stderr[-2000:]
