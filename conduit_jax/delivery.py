@@ -308,14 +308,19 @@ class Scheduler:
         if not batch.ready:
             jax.block_until_ready(batch.delivery)
         delivery = batch.delivery if batch.epoch == self.epoch else self._refresh(batch.delivery)
-        end = self._last_end = time.perf_counter()
-        timeline.record("exposed", start, end)
-        self._smooth("exposed", end - start)
-        if worker is not None:
-            with self.lock:  # the step moves once the delivery is complete (the priority staleness bound)
+        if worker is None:
+            self._delivered(timeline, start)
+        else:
+            with self.lock:  # the step moves as the delivery completes: a draw sees both or neither (the bound k)
+                self._delivered(timeline, start)
                 self._advance()
                 worker.kick()
         return delivery
+
+    def _delivered(self, timeline, start: float) -> None:
+        end = self._last_end = time.perf_counter()
+        timeline.record("exposed", start, end)
+        self._smooth("exposed", end - start)
 
     def _advance(self) -> None:
         self.step += 1
@@ -337,7 +342,10 @@ class Scheduler:
             self.worker.report(error)
         if len(self.in_flight) < self.depth and self._admits():
             recycle, self.recycle = self.recycle, None
-            self.in_flight.append(Prefetched(self._draw(recycle=recycle), self.epoch))
+            batch = Prefetched(self._draw(recycle=recycle), self.epoch)
+            # XLA:CPU computes a small kernel inside its dispatch: then it is ready now, and no wait follows
+            batch.ready = all(leaf.is_ready() for leaf in jax.tree_util.tree_leaves(batch.delivery))
+            self.in_flight.append(batch)
             return _nothing  # the lock is released between dispatches, so the learner's calls get in
         batch = next((b for b in self.in_flight if not b.ready), None)
         return None if batch is None else batch.wait

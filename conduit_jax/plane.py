@@ -9,6 +9,7 @@ derived from it (the status counters) or transient delivery bookkeeping (batches
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import threading
@@ -71,8 +72,9 @@ class ExperienceDataPlane:
         self.timeline = metrics.Timeline()  # wall-clock spans per stage (see metrics.py)
         self._changed = threading.Condition()  # guards state; notified after every ingest and sample
         # checked priority updates not yet in the state: the next sample applies them in its own kernel call (one
-        # dispatch for both); anything else that reads the state applies them first (_flush_updates)
-        self._pending_updates: list[tuple[np.ndarray, np.ndarray]] = []
+        # dispatch for both); anything else that reads the state applies them first (_flush_updates). A deque:
+        # update_priorities appends without the lock (it never waits for a draw of the delivery worker)
+        self._pending_updates: collections.deque[tuple[np.ndarray, np.ndarray]] = collections.deque()
         # the schedule's host side (batches in flight, deferred updates, the delivery worker); it reaches the plane
         # through weak references, so an unclosed plane is freed as usual and its worker stops
         self._schedule = Scheduler(self.schedule, self._changed, self.capacity, draw=_weakly(self, "sample"),
@@ -322,17 +324,13 @@ class ExperienceDataPlane:
             # checked when applied, k steps later (by the delivery worker, before its next draw)
             self._schedule.report_update(ids, priorities)
             return
-        checked = checked_priority_update(ids, priorities, self.capacity)
-        with self._changed:
-            self._pending_updates.append(checked)
+        self._pending_updates.append(checked_priority_update(ids, priorities, self.capacity))
 
     def _take_pending_updates(self) -> Optional[np.ndarray]:
         """The checked updates not yet in the state, packed for one kernel (``engine.pack_updates``), or None."""
-        if not self._pending_updates:
-            return None
-        packed = pack_updates(self._pending_updates)
-        self._pending_updates.clear()
-        return packed
+        pending = self._pending_updates
+        taken = [pending.popleft() for _ in range(len(pending))]  # an append meanwhile waits for the next kernel
+        return pack_updates(taken) if taken else None
 
     def _flush_updates(self) -> None:
         """Apply checked priority updates in a kernel of their own (before a call other than sample reads the

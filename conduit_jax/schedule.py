@@ -3,20 +3,29 @@
 A policy is data; the shell (``ExperienceDataPlane.deliver``) carries it out.
 
 * ``sync()``: the baseline, as RLlib runs it: each ``deliver()`` samples and waits, on the learner's critical path.
-* ``overlap(depth)``: ``deliver()`` hands out a batch dispatched earlier and immediately dispatches the next, so up
-  to ``depth`` batches are in flight while the learner computes (JAX async dispatch; on CPU it must be on, see
-  ``runtime.prefetch_is_synchronous``, or a prefetched batch is computed inside the ``deliver()`` that dispatches it).
+* ``overlap(depth)``: the plane's delivery worker (``delivery.py``, a daemon thread) keeps up to ``depth`` batches
+  dispatched and finished while the learner computes; ``deliver()`` hands over the oldest one and wakes the worker
+  to draw the next. The dispatch, the rate-limiter and refusal checks, the deferred updates and the wait for the
+  batch all run on the worker's thread, so what ``deliver()`` exposes is a queue pop (a few microseconds) whenever
+  the worker keeps up.
 * ``deferred(k, depth)``: overlap, plus priority updates queued on the host and applied in one coalesced kernel call
   once they are k steps old (from ``update_priorities``, off the delivery's wait); the bound: a batch dispatched at
-  step t has seen every update reported at steps <= t - k. Queued updates are validated when they are applied, so
-  the learner never waits for its own TD errors to be computed; a bad one raises then, naming its step.
+  step t has seen every update reported at steps <= t - k. Queued updates are validated when they are applied (by
+  the worker, before its next draw), so the learner never waits for the TD errors it just reported; a bad one is
+  raised by the next ``deliver()``, naming its step. ``update_priorities`` waits only for the TD errors reported
+  k - 1 steps earlier (the ones the worker's next draw must see): the learner's thread runs at most k - 1 steps
+  ahead of its own device work, and that wait is the learner's, never inside ``deliver()``.
 * ``adaptive(max_depth, k)``: deferred whose depth follows the measured (smoothed) exposed wait and learner step
   time, within ``max_depth`` (``Schedule.next_depth``).
 
 Semantics every policy keeps: the rate limiter sees a prefetched batch when it is dispatched (so the
 samples-per-insert ratio counts it); a FIFO dispatches each item exactly once (prefetch moves the queue head once per
 batch); on a policy-version switch the in-flight batches are re-checked against the new version, so an on-policy
-batch never holds items older than the staleness bound allows.
+batch never holds items older than the staleness bound allows. The worker draws under the plane's lock, and every
+call that reads the plane's host bookkeeping (``stats``, ``in_flight``, ``save``, ``set_policy_version``) first lets
+it finish what it can do now, so these read what they would without a thread. On-policy data (``samplers.epochs``):
+an ``ingest`` wakes the worker, which stages the first ``depth`` minibatches of the new epoch while the learner's
+thread moves on to its first ``deliver()``.
 """
 
 from __future__ import annotations
