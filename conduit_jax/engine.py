@@ -21,7 +21,9 @@ the plane's (``plane.py``).
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
+import re
 import threading
 from typing import Any, Optional
 
@@ -41,14 +43,18 @@ from conduit_jax.replay import Delivery, ReplayConfig, ReplayState
 # placement inside a kernel, and the padding rule
 # ------------------------------------------------------------------------------------------------------------------
 def computable(state, shardings):
-    """Inside a kernel: leaves placed in ``pinned_host`` memory moved to ``device`` memory (XLA cannot compute on
-    pinned host memory directly). Leaves in ``device`` or ``unpinned_host`` memory are used where they are."""
+    """Inside a kernel: leaves placed in ``pinned_host`` memory moved to ``device`` memory (XLA computes on host memory
+    only inside a host computation), except the ring: ``storage`` reads and writes ``state.storage.rows`` where it
+    lives (``storage.where_rows_live``), so a ring in host memory never crosses, only batches do. What moves is the
+    rest: counters, and the sampler's index where a plan puts it on the host (the planner prices that move and keeps
+    the index in device memory where it fits). Leaves in ``device`` or ``unpinned_host`` memory are used where they
+    are."""
     def move(leaf, sharding):
         if getattr(sharding, "memory_kind", None) != "pinned_host":
             return leaf
         return jax.device_put(leaf, sharding.with_memory_kind("device"))
 
-    return jax.tree_util.tree_map(move, state, shardings)
+    return _except_rows(move, state, shardings)
 
 
 def placed(state, shardings):
@@ -61,7 +67,56 @@ def placed(state, shardings):
             return leaf
         return jax.device_put(leaf, sharding)
 
-    return jax.tree_util.tree_map(back, state, shardings)
+    return _except_rows(back, state, shardings)
+
+
+def _except_rows(fn, state, shardings):
+    """``fn(leaf, sharding)`` over every leaf of ``state`` but the ring's rows, which stay as they are. Called outside
+    a jit (a functional-API call run eagerly) the rows go through ``fn`` too: an eager ``shard_map`` cannot move
+    arrays between memory kinds, so there a host ring is read through a device copy (jit the call to avoid it)."""
+    if not isinstance(state.storage.rows, jax.core.Tracer):
+        return jax.tree_util.tree_map(fn, state, shardings)
+
+    def without_rows(tree):
+        return dataclasses.replace(tree, storage=dataclasses.replace(tree.storage, rows=None))
+
+    moved = jax.tree_util.tree_map(fn, without_rows(state), without_rows(shardings))
+    return dataclasses.replace(moved, storage=dataclasses.replace(moved.storage, rows=state.storage.rows))
+
+
+_STABLEHLO_BYTES = {"f32": 4, "i32": 4, "ui32": 4, "i1": 1, "ui8": 1, "i8": 1, "f16": 2, "bf16": 2, "ui16": 2,
+                    "i16": 2, "f64": 8, "i64": 8, "ui64": 8}
+
+
+def memory_moves(stablehlo: str) -> list[tuple[str, int]]:
+    """(destination memory kind, bytes) of every move between memory kinds in a kernel's StableHLO lowered for a GPU
+    (``Engine.lowered(..., platform="cuda")``; XLA:CPU lowers these moves to nothing, so its HLO shows none).
+
+    A move is a placement annotation whose operand lives elsewhere: for a device destination, a value computed by a
+    host computation or a pinned_host argument; for a host destination, anything else. An annotation of where a value
+    already is (a ring written in place on the host and returned) is not a move. Tests and ``benchmarks/gpu.py``
+    read the bytes a kernel moves per call from it."""
+    lines = stablehlo.splitlines()
+    on_host = set(re.findall(r'(%arg\d+): tensor<[^>]*> \{mhlo.memory_kind = "pinned_host"', stablehlo))
+    for i, line in enumerate(lines):  # values an op computes on the host (its text, regions included, says so)
+        match = re.match(r"(\s*)(%[\w.]+)(?::\d+)? = ", line)
+        if match:
+            end = i + 1
+            while end < len(lines) and not re.match(match.group(1) + r"(%|return|})", lines[end]):
+                end += 1
+            text = "\n".join(lines[i:end + 1])
+            constraint = re.match(r"\s*%[\w.]+ = sdy.sharding_constraint (%[\w.]+)", line)  # where it was
+            if '_xla_compute_type = "host"' in text or (constraint and constraint.group(1) in on_host):
+                on_host.add(match.group(2))
+    found = []
+    for match in re.finditer(r'annotate_device_placement\((%[\w.]+)(?:#\d+)?\).*?_xla_buffer_placement = '
+                             r'"(\w+)".*?-> tensor<([^>]*)>', stablehlo):
+        operand, kind, shape = match.groups()
+        if (operand in on_host) == (kind == "pinned_host"):
+            continue
+        *dims, dtype = shape.split("x")
+        found.append((kind, int(np.prod([int(d) for d in dims])) * _STABLEHLO_BYTES[dtype]))
+    return found
 
 
 def compile_size(n: int, *, steps_per_octave: int = 1, multiple: int = 1, limit: Optional[int] = None) -> int:
@@ -318,15 +373,17 @@ class Engine:
         out.update(update=self._update_kernel._cache_size(), version=self._version_kernel._cache_size())
         return out
 
-    def lowered(self, kernel: str, *args):
+    def lowered(self, kernel: str, *args, platform: Optional[str] = None):
         """``jax.stages.Lowered`` of a kernel over the current state (``sample``, ``update``, ``update+sample``,
-        ``version``, ``ingest`` with ``(rows, packed_rows_or_batch, n)``), to read its HLO."""
+        ``version``, ``ingest`` with ``(rows, packed_rows_or_batch, n)``), to read its HLO. ``platform`` (e.g.
+        ``"cuda"``): lowered for that backend instead of this one, to read what a GPU would be asked to move."""
         if kernel == "ingest":
             rows, block, n = args
-            return self._ingest_kernel(rows, True).lower(*self._form, block, n)
-        table = {"sample": self._sample_kernels[False, False], "update": self._update_kernel,
-                 "update+sample": self._sample_kernels[True, False], "version": self._version_kernel}
-        return table[kernel].lower(*self._form, *args)
+            jitted, args = self._ingest_kernel(rows, True), (block, n)
+        else:
+            jitted = {"sample": self._sample_kernels[False, False], "update": self._update_kernel,
+                      "update+sample": self._sample_kernels[True, False], "version": self._version_kernel}[kernel]
+        return jitted.trace(*self._form, *args).lower(lowering_platforms=None if platform is None else (platform,))
 
     def run(self, name: str, kernel, *args) -> list:
         """Call a kernel built by ``reading_kernel`` on the state (its compilations counted under ``name``), keep

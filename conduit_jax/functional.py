@@ -21,9 +21,11 @@ globally correct as the plane's. The state is the same pytree as ``ExperienceDat
 plane's ``plane.state``.
 
 Placement: a ``placement.Plan`` may put state in ``pinned_host`` or ``unpinned_host`` memory. Both work inside your
-jit; for ``unpinned_host`` pass ``out_shardings`` for the state (``jax.jit(step, donate_argnums=0,
-out_shardings=(buffer.shardings, ...))``): JAX places a jit's results in unpinned host memory only there, and a
-donated unpinned-host state without it aborts XLA:CPU (JAX 0.10).
+jit. A ring in ``pinned_host`` memory is read and written in place by a host computation, so inside your step only
+the batch crosses to device memory (see ``storage``); call these functions under ``jax.jit`` for that (an eager call
+reads a host ring through a device copy). For ``unpinned_host`` pass ``out_shardings`` for the state
+(``jax.jit(step, donate_argnums=0, out_shardings=(buffer.shardings, ...))``): JAX places a jit's results in unpinned
+host memory only there, and a donated unpinned-host state without it aborts XLA:CPU (JAX 0.10).
 
 What the plane does on the host and these functions cannot do inside a trace: wait. A sample the state cannot serve
 (too few items, the rate limiter refuses) returns the state unchanged and a ``Delivery`` whose ``valid`` is False;
@@ -33,6 +35,7 @@ sampler without priorities) are raised when the function is traced, naming the l
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, NamedTuple, Optional
 
 import jax
@@ -41,7 +44,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from conduit_jax import engine, limits, replay, samplers, storage
+from conduit_jax import engine, limits, memory, replay, samplers, storage
 from conduit_jax.errors import ConfigError, PriorityError
 from conduit_jax.limits import Limiter, Staleness
 from conduit_jax.placement import Plan
@@ -81,7 +84,9 @@ def configure(spec, capacity: int, sampler: Optional[Sampler] = None, *, limiter
     """The checked static configuration and the state's shardings (one ``NamedSharding`` per state leaf) for a
     buffer; the one constructor the plane and the functional API share. ``spec``: an ``ExperienceSpec`` or a pytree of
     ``jax.ShapeDtypeStruct``; ``sampler`` defaults to ``samplers.uniform(256)``, ``limiter`` to ``limits.min_size(1)``;
-    ``mesh`` to ``default_mesh()``; a ``plan`` brings its mesh and memory kinds. ConfigError names what cannot work."""
+    ``mesh`` to ``default_mesh()``; a ``plan`` brings its mesh and memory kinds. ConfigError names what cannot work;
+    ``CapacityError`` a state that does not fit the free memory it would be placed in (``memory.check_fits``), before
+    anything is allocated."""
     spec = spec if isinstance(spec, ExperienceSpec) else ExperienceSpec.from_structs(spec)
     sampler = samplers.uniform(256) if sampler is None else sampler
     if not isinstance(sampler, Sampler):
@@ -112,6 +117,8 @@ def configure(spec, capacity: int, sampler: Optional[Sampler] = None, *, limiter
         # (an Explicit axis keeps its spec in the type, and shard_map checks it)
         placed = jax.tree_util.tree_map(
             lambda s: NamedSharding(s.mesh, P(), memory_kind=s.memory_kind), placed)
+    memory.check_fits(jax.eval_shape(functools.partial(replay.init, config, 0)), placed, config.capacity,
+                      config.num_shards, where)
     return config, placed
 
 
@@ -149,6 +156,7 @@ def bind(config: ReplayConfig, shardings) -> Buffer:
 
     def can_sample(state: ReplayState, batches: Optional[int] = None) -> jax.Array:
         draws = 1 if batches is None else batches
+        state = engine.computable(state, shardings)
         # a queue hands each item out once: k batches need k batches' worth of undelivered items
         needed = sampler.min_items + (draws - 1) * sampler.batch_size * int(sampler.consumes)
         enough = replay.deliverable(config, state) >= needed
@@ -157,8 +165,9 @@ def bind(config: ReplayConfig, shardings) -> Buffer:
 
     def sample(state: ReplayState, batches: Optional[int] = None) -> tuple[ReplayState, Delivery]:
         replay.check_batches(config, batches, "Buffer.sample()")
+        state = engine.computable(state, shardings)
         valid = can_sample(state, batches)
-        new_state, delivery = replay.sample(config, engine.computable(state, shardings), batches)
+        new_state, delivery = replay.sample(config, state, batches)
         # a refused draw changes nothing: every counter of the state stays as it was (storage is never written here)
         rest = jax.tree_util.tree_map(lambda new, old: jnp.where(valid, new, old), new_state.replace(storage=None),
                                       state.replace(storage=None))
@@ -194,7 +203,7 @@ def bind(config: ReplayConfig, shardings) -> Buffer:
         return engine.placed(new_state, shardings)
 
     return Buffer(config, shardings, init, ingest, sample, update, can_sample,
-                  lambda state: replay.size(config, state), set_policy_version)
+                  lambda state: replay.size(config, engine.computable(state, shardings)), set_policy_version)
 
 
 def _padded(leaf: jax.Array, rows: int) -> jax.Array:

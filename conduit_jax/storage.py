@@ -22,6 +22,13 @@ slots). With one stream per shard a slot is its row. A ring that interleaves sev
 sequences sampler, ingested time-major) stores each stream's steps in consecutive rows instead (``ring_row``): a
 window of consecutive steps is then one sequential read rather than one DRAM access per step. Only code that touches
 ``rows`` maps slots to rows.
+
+Memory. A ring placed in host memory (a plan's ``pinned_host`` storage) is read and written where it lives
+(``where_rows_live``): every gather from ``rows`` and every write into it runs as a host computation (XLA's host
+offloading: ``jax.experimental.compute_on("device_host")``), so only the gathered batch crosses to device memory and
+only the ingested block crosses to the host; the ring itself never moves. On XLA:CPU both kinds are the same DRAM and
+the annotation changes nothing; on GPU and TPU XLA runs the region on the host CPU over the pinned buffer and copies
+its (batch-sized) result to the device.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.experimental.compute_on import compute_on
 
 from conduit_jax._pytree import state_dataclass
 from conduit_jax.spec import ExperienceSpec
@@ -189,19 +197,20 @@ class RowLayout(NamedTuple):
     def gather_leaves(self, rows: jax.Array, at: jax.Array):
         """The spec's pytree for the items in rows ``at`` (any shape), each leaf gathered from its own elements only:
         the slice fuses into the gather, so every byte is copied once (no packed intermediate)."""
-        leaves = [self._gather_leaf(rows, i, at) for i in range(len(self.slots))]
-        return jax.tree_util.tree_unflatten(self.spec.treedef, leaves)
+        return where_rows_live(lambda rows, at: jax.tree_util.tree_unflatten(
+            self.spec.treedef, [self._gather_leaf(rows, i, at) for i in range(len(self.slots))]), rows, at)
 
     def read_leaf(self, rows: jax.Array, name: str, at: jax.Array) -> jax.Array:
         """Leaf ``name`` of the items in rows ``at`` of a shard's ring, reading only that leaf's elements."""
-        return self._gather_leaf(rows, self.spec.names.index(name), at)
+        index = self.spec.names.index(name)
+        return where_rows_live(lambda rows, at: self._gather_leaf(rows, index, at), rows, at)
 
     def _gather_leaf(self, rows: jax.Array, index: int, at: jax.Array) -> jax.Array:
         slot, shape, dtype = self.slots[index], self.spec.shapes[index], self.spec.dtypes[index]
         if rows.dtype == np.uint8:  # a byte ring: each leaf is gathered as its own bytes
             size = 4 // slot.per_word
             first = 4 * slot.offset
-            x = gather(lax.slice_in_dim(rows, first, first + slot.elems * size, axis=1), at)
+            x = _take(lax.slice_in_dim(rows, first, first + slot.elems * size, axis=1), at)
             if dtype == np.bool_:
                 x = x.astype(jnp.bool_)
             elif size > 1:
@@ -211,13 +220,13 @@ class RowLayout(NamedTuple):
             return x.reshape(*at.shape, *shape)
         if slot.per_word == 1:
             words = lax.slice_in_dim(rows, slot.offset, slot.offset + slot.words, axis=1)
-            return self._unpack_leaf(gather(words, at), index, offset=0)
+            return self._unpack_leaf(_take(words, at), index, offset=0)
         # 1- and 2-byte leaves are gathered from the ring viewed as elements of their own width: gathering their
         # words and splitting those inside the gather made XLA:CPU copy byte by byte (4.6x slower for 28 KB frames)
         elements = lax.bitcast_convert_type(rows, jnp.uint8 if slot.per_word == 4 else jnp.uint16)
         elements = elements.reshape(rows.shape[0], rows.shape[1] * slot.per_word)
         first = slot.offset * slot.per_word
-        x = gather(lax.slice_in_dim(elements, first, first + slot.elems, axis=1), at)
+        x = _take(lax.slice_in_dim(elements, first, first + slot.elems, axis=1), at)
         x = x.astype(jnp.bool_) if dtype == np.bool_ else lax.bitcast_convert_type(x, dtype)
         return x.reshape(*at.shape, *shape)
 
@@ -340,7 +349,16 @@ def write(rows, cursor, laps, block, count, streams: int = 1):
     the scatter drops, so they never touch stored items. No branch: a conditional around the write (fits / wraps) made
     XLA:CPU copy the taken branch's result and cost 2.4x the scatter, and a masked dynamic-update-slice reads the old
     rows back only to keep them.
+
+    A ring in host memory is written in place on the host (``where_rows_live``): only ``block`` crosses.
     """
+    capacity = rows.shape[0]
+    rows = where_rows_live(functools.partial(_write, streams=streams), rows, cursor, block, count, to_device=False)
+    end = cursor + count
+    return rows, end % capacity, laps + (end >= capacity).astype(jnp.int32)
+
+
+def _write(rows, cursor, block, count, streams: int):
     capacity, k = rows.shape[0], block.shape[0]
     assert k <= capacity, "the shell splits batches larger than a shard's ring"
     if rows.dtype == jnp.uint8 and rows.shape[1] >= ROW_COPY_MIN_BYTES:
@@ -355,10 +373,32 @@ def write(rows, cursor, laps, block, count, streams: int = 1):
         iota = lax.iota(jnp.int32, k)
         target = jnp.where(iota < count, ring_row((cursor + iota) % capacity, streams, capacity), capacity)
         rows = rows.at[target].set(block, mode="drop", unique_indices=True)
-    end = cursor + count
-    return rows, end % capacity, laps + (end >= capacity).astype(jnp.int32)
+    return rows
 
 
 def gather(rows, slots):
-    """rows[slots] for in-range slots (the samplers guarantee the range)."""
+    """rows[slots] for in-range slots (the samplers guarantee the range), gathered where the rows live."""
+    return where_rows_live(_take, rows, slots)
+
+
+def _take(rows, slots):
     return rows.at[slots].get(mode="promise_in_bounds")
+
+
+def in_host_memory(x) -> bool:
+    """Inside a trace: whether ``x`` lives in host memory (a leaf placed in ``pinned_host``)."""
+    return jax.typeof(x).memory_space == jax.memory.Space.Host
+
+
+def where_rows_live(fn, rows, *args, to_device: bool = True):
+    """``fn(rows, *args)``, computed where ``rows`` lives. For a ring in device memory that is just the call. For a
+    ring in host memory the arguments are moved to the host, ``fn`` runs as a host computation over the ring in place,
+    and (``to_device``) its result is moved to device memory: what crosses is ``args`` and the result, never the
+    ring. A write passes ``to_device=False``: the new ring stays in host memory, and a donated ring is updated in
+    place."""
+    if not in_host_memory(rows):
+        return fn(rows, *args)
+    args = jax.device_put(args, jax.memory.Space.Host)
+    with compute_on("device_host"):
+        out = fn(rows, *args)
+    return jax.device_put(out, jax.memory.Space.Device) if to_device else out

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from conduit_jax import ExperienceDataPlane, default_mesh, samplers
+from conduit_jax.engine import memory_moves
 
 CAPACITY = 1 << 14
 SPEC = {"obs": jax.ShapeDtypeStruct((6,), np.float32), "terminated": jax.ShapeDtypeStruct((), np.bool_),
@@ -117,3 +118,78 @@ def test_kernels_take_the_state_counters_as_one_vector(sampler):
     entry = hlo[hlo.index("\nENTRY"):]
     signature = entry[:entry.index("->")]
     assert signature.count(": ") == large + 1, signature[:300]
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# A ring in host memory is read and written where it lives: only batches cross (issue 24)
+# ------------------------------------------------------------------------------------------------------------------
+# XLA:CPU lowers a memory-kind move to nothing (every kind is one DRAM), so the optimized HLO here cannot show one.
+# The kernels are lowered for CUDA instead and read with ``engine.memory_moves``.
+def host_ring(shardings):
+    """``shardings`` with the ring's rows in pinned_host memory, the rest where it was (the planner's hot/cold split:
+    the index and counters stay in device memory)."""
+    from conduit_jax.placement import part_of
+
+    return jax.tree_util.tree_map_with_path(
+        lambda path, s: s.with_memory_kind("pinned_host") if part_of(path, s) == "storage" else s, shardings)
+
+
+def batch_bytes(config) -> int:
+    """Bytes of one delivered batch's data."""
+    sampler = config.sampler
+    return sampler.batch_size * sampler.window * sum(int(np.prod(s.shape)) * np.dtype(s.dtype).itemsize
+                                                     for s in jax.tree_util.tree_leaves(config.layout.spec.structs))
+
+
+@pytest.mark.parametrize("sampler", ["uniform", "prioritized", "sequences"])
+def test_a_host_ring_is_read_in_place(sampler):
+    plane = ExperienceDataPlane(SPEC, CAPACITY, SAMPLERS[sampler](), mesh=default_mesh(1))
+    plane.place(host_ring(plane.shardings))
+    ring = plane.state.storage.rows
+    assert ring.sharding.memory_kind == "pinned_host"
+    engine = plane.engine
+    block = plane.config.layout.pack_host(jax.tree_util.tree_leaves(batch(64, 1)), 0, 64, 64)
+    kernels = {"sample": engine.lowered("sample", platform="cuda"),
+               "ingest": engine.lowered("ingest", 64, block, np.int32(64), platform="cuda")}
+    if plane.sampler.update is not None:
+        update = np.zeros((32, 4), np.int32)
+        kernels["update+sample"] = engine.lowered("update+sample", update, platform="cuda")
+        kernels["update"] = engine.lowered("update", update, platform="cuda")
+    for name, lowered in kernels.items():
+        moved = memory_moves(lowered.as_text())
+        assert all(size < ring.nbytes // 8 for _, size in moved), (name, moved)
+        to_device = sum(size for kind, size in moved if kind == "device")
+        to_host = sum(size for kind, size in moved if kind == "pinned_host")
+        if name == "ingest":  # the block crosses to the host (and samplers that index the new items' flags read
+            # those back from the ring: a few bytes per item)
+            assert block.nbytes <= to_host + to_device <= 2 * block.nbytes, (to_device, to_host, block.nbytes)
+        elif "sample" in name:  # the batch crosses to the device, at most 10% more than its own bytes
+            assert 0 < to_device <= 1.1 * batch_bytes(plane.config) and to_host <= 1024, (to_device, to_host)
+        else:
+            assert to_device == 0, moved
+
+
+def test_the_in_jit_sample_reads_a_host_ring_in_place():
+    """The functional API's sample inside a learner's jit, over the whole state in pinned_host memory: the ring
+    stays; the counters (a few bytes) cross, and the batch."""
+    from conduit_jax import functional
+
+    buffer = functional.make_buffer(SPEC, CAPACITY, samplers.uniform(32), mesh=default_mesh(1))
+    pinned = jax.tree_util.tree_map(lambda s: s.with_memory_kind("pinned_host"), buffer.shardings)
+    buffer = functional.bind(buffer.config, pinned)
+    step = jax.jit(buffer.sample, donate_argnums=0)
+    new_state, delivery = step(buffer.init(0))  # compiles and runs (an empty buffer: delivery.valid is False)
+    assert not bool(delivery.valid) and new_state.storage.rows.sharding.memory_kind == "pinned_host"
+    moved = memory_moves(step.trace(new_state).lower(lowering_platforms=("cuda",)).as_text())
+    assert max(size for _, size in moved) < new_state.storage.rows.nbytes // 8, moved
+    assert sum(size for kind, size in moved if kind == "device") <= 1.1 * batch_bytes(buffer.config) + 256, moved
+
+
+def test_the_check_finds_a_moved_ring():
+    # the same reading on a kernel known to move the ring: a pinned_host array put in device memory inside jit
+    ring = jax.device_put(jax.numpy.zeros((CAPACITY, 4), np.uint32),
+                          jax.sharding.NamedSharding(default_mesh(1), jax.sharding.PartitionSpec(),
+                                                     memory_kind="pinned_host"))
+    moved_whole = jax.jit(lambda r: jax.device_put(r, jax.memory.Space.Device)[:8])
+    lowered = moved_whole.trace(ring).lower(lowering_platforms=("cuda",))
+    assert ("device", ring.nbytes) in memory_moves(lowered.as_text())

@@ -387,7 +387,11 @@ def estimate(topology: Topology, workload: Workload, placement: Placement, row_b
             ingest += link.transfer_time(received * row_bytes, k)
             once[link.name] += 0 if link.elided else received * row_bytes
         elif not to_device(placement.storage).elided:
-            ingest += received * row_bytes / memory(placement.storage).bandwidth
+            # the packed block is staged to the device like any kernel argument, then moved to the host ring's
+            # memory for the in-place write (storage.where_rows_live): it crosses twice
+            link = to_device(placement.storage)
+            ingest += 2 * link.transfer_time(received * row_bytes, k)
+            once[link.name] += 2 * received * row_bytes
         if nodes > 1:
             # replicated: each node receives the other nodes' items; local: only items of producer nodes that hold
             # no shard travel

@@ -330,6 +330,11 @@ class _Search:
             topology.device(i)  # raises with the list of devices
         self.learner_set = set(self.learners)
         self.kinds = topology.kinds
+        # rings outside device memory are read in place by a host computation, which XLA runs over pinned host
+        # memory (storage.where_rows_live); JAX 0.10 computes on an unpinned_host array as on device memory, so off
+        # XLA:CPU (where every kind is one DRAM) the ring is kept in device or pinned_host memory
+        on_cpu = all(d.platform == "cpu" for d in topology.devices)
+        self.storage_kinds = tuple(k for k in self.kinds if on_cpu or k != "unpinned_host")
         self.staging = staging_bytes(row_bytes, workload, len(self.learners))
         # pools that hold host memory keep host_reserve free
         self.host_pools = {m.pool for m in topology.memories if m.kind != "device"}
@@ -412,7 +417,7 @@ class _Search:
                                  [("divisible", label, (self.capacity, work.batch_size), len(ids))]))
                 continue
             stats = shard_stats(topo, ids, self.learners)
-            for storage in self.kinds:
+            for storage in self.storage_kinds:
                 for index in index_kinds:
                     _, violations = self.usage(ids, storage, index)
                     base = Placement(ids, shape, axes, storage=storage, index=index)
@@ -488,11 +493,12 @@ class _Search:
         else:
             link = topo.link(topo.memory(dev.id, p.storage), dev)
             if link.elided:
-                out.append(("gather", (f"{p.storage} rows moved to 'device' inside the jitted kernel (XLA:CPU elides "
-                                      f"the copy: one DRAM)")))
+                out.append(("gather", (f"rows gathered in place in {p.storage} (a host computation); on XLA:CPU host "
+                                      f"and device memory are one DRAM, so nothing crosses")))
             else:
-                out.append(("gather", (f"host-side gather in {p.storage}, then the gathered rows cross {link.name} "
-                                      f"({_bw(link.bandwidth)}) to the device")))
+                out.append(("gather", (f"rows gathered in place in {p.storage} (a host computation, compute_on "
+                                      f"device_host); only the batch's rows cross {link.name} "
+                                      f"({_bw(link.bandwidth)}) to the device, never the ring")))
         learners = set(self.learners)
         if set(p.device_ids) == learners:
             out.append(("delivery", ("co-located: the batch lands sharded over the learner's data-parallel devices, "
@@ -599,7 +605,7 @@ class _Search:
         for _, ids, shape, axes in sets:
             if work.batch_size % len(ids):
                 continue
-            for storage in self.kinds:
+            for storage in self.storage_kinds:
                 for index in self.kinds:
                     fit = self.max_capacity(ids, storage, index)
                     if fit > best_fit:

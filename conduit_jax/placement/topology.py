@@ -27,6 +27,7 @@ import os
 import time
 from typing import Iterator, Optional
 
+from conduit_jax import memory
 from conduit_jax.errors import ConduitError
 
 MEMORY_KINDS = ("device", "pinned_host", "unpinned_host")
@@ -364,25 +365,9 @@ def _cpu_links(memcpy: float) -> dict[str, Link]:
 
 
 def _meminfo() -> tuple[int, int]:
-    """(MemTotal, MemAvailable) in bytes from /proc/meminfo, else from sysconf."""
-    total = avail = 0
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                key, value = line.split(":", 1)
-                if key == "MemTotal":
-                    total = int(value.split()[0]) * 1024
-                elif key == "MemAvailable":
-                    avail = int(value.split()[0]) * 1024
-    except (OSError, ValueError):
-        pass
-    if not total:
-        try:
-            total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-            avail = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-        except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX
-            total = avail = 16 * GiB
-    return total, avail or total
+    """(MemTotal, free host memory for this process) in bytes (``memory.host_free``: MemAvailable, or less under a
+    cgroup or address-space limit)."""
+    return memory.host_total(), memory.host_free()[0]
 
 
 def emulated_cpu(devices: int = 8, *, host_memory: Optional[int] = None, device_memory: Optional[int] = None,
