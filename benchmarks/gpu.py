@@ -1,5 +1,6 @@
-"""W1 / W2 / W3 with Conduit's state in device memory (HBM), pinned host and unpinned host memory, for one NVIDIA GPU
-(prepared for an H200): ``python -m benchmarks.gpu [--quick] [--only w1,w3] [--budget-s 420]``.
+"""W1 / W2 / W3 with Conduit's state in device memory (HBM), pinned host, unpinned host memory and split (the ring in
+pinned host, the index and counters in HBM: the planner's hot/cold split), for one NVIDIA GPU (prepared for an H200):
+``python -m benchmarks.gpu [--quick] [--only w1,w3] [--budget-s 420]``.
 
 One short call: the full run is sized to finish in about 6 minutes on an H200 (``--budget-s`` stops starting new
 measurements once spent and says what was skipped). Never required by the tests. On a CPU-only machine
@@ -7,18 +8,22 @@ measurements once spent and says what was skipped). Never required by the tests.
 DRAM), so every code path runs.
 
 For each workload and each memory kind a Conduit plane (1 device) is built and filled in device memory, then its
-state is moved to the kind with ``jax.device_put(state, NamedSharding(mesh, spec, memory_kind=kind))`` (the move is
-timed), and add / sample (W2: sample + update priorities) are timed in interleaved rounds with the GPU peers:
+state is moved to the kind with ``plane.place(shardings)`` (the move is timed), and add / sample (W2: sample + update
+priorities) are timed in interleaved rounds with the GPU peers:
 ``numpy+device_put`` (a host NumPy ring whose batch is copied to the GPU), ``flashbax`` / ``flashbax-per`` (state in
 HBM) and ``cpprb-per`` (host, reference) where those libraries are installed. Every call ends with
 ``block_until_ready``. Each record says where the ring rows actually were after the timing (``actual_memory_kind``):
 a kind the plane does not keep is visible, not silently measured as another.
 
-API NOTE. ``ExperienceDataPlane`` takes a placement plan (``plan=``: a ``placement.Plan`` carries a memory kind for
-each part of the state) but no bare memory-kind argument, and without a plan builds its ingest kernels with
-``out_shardings`` of the default memory kind, so an ingest would move a state placed elsewhere back to device
-memory. This script therefore sets the plane's private ``_shardings`` to the requested kind before any ingest kernel
-is built (benchmark-only; reported to the lead) and records the kinds found after the run.
+Bytes moved. Each Conduit record carries ``bytes_to_device_per_sample``: what its sample kernel moves from host to
+device memory per call, read from the kernel lowered for CUDA (``engine.memory_moves``), beside the batch's own bytes.
+A ring in pinned host memory is gathered in place by a host computation, so only the batch crosses; an index in host
+memory (``pinned_host`` / ``unpinned_host`` kinds, the whole state moved) is moved whole per call, which is what
+``split`` avoids.
+
+Beyond the device budget (``--only beyond``): in a subprocess whose GPU allocator is capped by
+``XLA_PYTHON_CLIENT_MEM_FRACTION``, a plane planned with ``placement.Topology.detect()`` for a ring about twice the
+cap: the planner spills the ring to pinned host memory and the plane fills and samples it.
 
 Figures go to ``benchmarks/results/gpu_<workload>.jsonl`` (``gpu_<workload>.quick.jsonl`` with ``--quick``): the
 environment line (GPU name, memory stats, versions) first, then timing / memory / unavailable records in the format
@@ -43,7 +48,7 @@ from benchmarks import common, peers
 from benchmarks.bench_w1 import W1_SPEC
 from benchmarks.bench_w3 import W3_SPEC
 
-KINDS = ("device", "pinned_host", "unpinned_host")
+KINDS = ("device", "pinned_host", "unpinned_host", "split")
 PER = peers.PER(alpha=0.6, beta=0.4, eps=1e-6)
 WORKLOADS = {
     # name: (spec, full capacity, quick capacity, chunk, batch sizes, prioritized)
@@ -63,14 +68,20 @@ class ConduitIn(peers.Conduit):
     def __init__(self, spec, capacity: int, batch_size: int, kind: str, per: Optional[peers.PER] = None,
                  chunk: int = 1000):
         super().__init__(spec, capacity, batch_size, per=per, devices=1, chunk=chunk)
-        self.kind = kind
+        self.spec, self.kind = spec, kind
         self.place_s: Optional[float] = None
 
     def place(self) -> None:
         import jax
 
         plane = self.plane
-        target = jax.tree_util.tree_map(lambda s: s.with_memory_kind(self.kind), plane.shardings)
+        from conduit_jax.placement import part_of
+
+        if self.kind == "split":  # the ring in pinned host memory, the rest where it is (device)
+            target = jax.tree_util.tree_map_with_path(lambda path, s: s.with_memory_kind("pinned_host")
+                                                      if part_of(path, s) == "storage" else s, plane.shardings)
+        else:
+            target = jax.tree_util.tree_map(lambda s: s.with_memory_kind(self.kind), plane.shardings)
         start = time.perf_counter()
         plane.place(target)
         plane.block_until_ready()
@@ -87,6 +98,14 @@ class ConduitIn(peers.Conduit):
     def notes(self) -> dict[str, Any]:
         out = super().notes()
         out.update({"requested_memory_kind": self.kind, "place_s": self.place_s})
+        try:
+            from conduit_jax.engine import memory_moves
+
+            moved = memory_moves(self.plane.engine.lowered("sample", platform="cuda").as_text())
+            out["bytes_to_device_per_sample"] = sum(size for kind, size in moved if kind == "device")
+            out["batch_bytes"] = self.plane.batch_size * peers.item_bytes(self.spec)
+        except Exception as exc:  # pragma: no cover
+            out["bytes_to_device_per_sample"] = f"unknown ({exc})"
         try:
             out["memory_kinds_after_fill"] = self.actual_kinds()
         except Exception as exc:  # pragma: no cover
@@ -161,6 +180,69 @@ def probe_kind(kind: str, timeout_s: float = 120.0) -> dict[str, Optional[str]]:
         else:
             out[op] = "not reached (the probe process aborted earlier)"
     return out
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Beyond the device budget: a subprocess whose allocator is capped, a ring about twice the cap
+# ------------------------------------------------------------------------------------------------------------------
+BEYOND_FRACTION = 0.05  # of the GPU's memory: ~7 GB of an H200's 141 GB
+
+
+def _beyond_here(quick: bool) -> dict[str, Any]:
+    import jax
+
+    from conduit_jax import ExperienceDataPlane, placement, samplers
+
+    spec = {name: jax.ShapeDtypeStruct(shape, dtype) for name, (shape, dtype) in W1_SPEC.items()}
+    row = peers.item_bytes(W1_SPEC)
+    if jax.default_backend() == "cpu":  # smoke run: an emulated 1 MB device budget
+        topology, budget = placement.emulated_cpu(1, device_memory=1 << 20), 1 << 20
+    else:
+        topology = placement.Topology.detect()
+        budget = topology.memories[0].capacity
+    capacity = int(min(2 * budget // row, (1 << 31) - 1))
+    capacity = min(capacity, 20_000) if quick else capacity
+    plan = placement.plan(spec, capacity, topology, placement.Workload(batch_size=256))
+    out: dict[str, Any] = {"record": "beyond", "device_budget_bytes": int(budget), "capacity": capacity,
+                           "ring_bytes": capacity * row, "plan_storage": plan.placement.storage,
+                           "plan_index": plan.placement.index, "plan": plan.explain()}
+    plane = ExperienceDataPlane(spec, capacity, samplers.uniform(256), plan=plan)
+    chunk = peers.random_batch(W1_SPEC, 8192, np.random.default_rng(0))
+    start = time.perf_counter()
+    for _ in range(-(-capacity // 8192)):
+        plane.ingest(chunk)
+    plane.block_until_ready()
+    out["fill_s"] = time.perf_counter() - start
+    jax.block_until_ready(plane.sample())
+    times = []
+    for _ in range(50):
+        t0 = time.perf_counter()
+        jax.block_until_ready(plane.sample())
+        times.append(time.perf_counter() - t0)
+    out.update(sample_b256_median_s=float(np.median(times)), rows_memory_kind=plane.state.storage.rows.sharding
+               .memory_kind, size=len(plane))
+    return out
+
+
+def beyond_device(quick: bool, timeout_s: float = 300.0) -> dict[str, Any]:
+    """``_beyond_here`` in a subprocess with the GPU allocator capped at ``BEYOND_FRACTION``."""
+    import json
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, XLA_PYTHON_CLIENT_MEM_FRACTION=str(BEYOND_FRACTION), XLA_PYTHON_CLIENT_PREALLOCATE="false",
+               PYTHONPATH=root + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else ""))
+    try:
+        proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu", "--beyond-child"] + (["--quick"] if quick
+                                                                                            else []),
+                              capture_output=True, text=True, timeout=timeout_s, env=env)
+    except subprocess.TimeoutExpired:
+        return {"record": "unavailable", "workload": "gpu_beyond", "reason": f"timed out after {timeout_s:.0f} s"}
+    for line in proc.stdout.splitlines():
+        if line.startswith("BEYOND-RESULT "):
+            return json.loads(line[len("BEYOND-RESULT "):])
+    last = (proc.stderr.strip().splitlines() or ["(no output)"])[-1][:600]
+    return {"record": "unavailable", "workload": "gpu_beyond", "reason": f"exit {proc.returncode}: {last}"}
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -388,12 +470,13 @@ def print_table(records: list[dict], name: str) -> None:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small sizes (smoke test; runs on CPU)")
-    parser.add_argument("--only", default="w1,w2,w3")
+    parser.add_argument("--only", default="w1,w2,w3,beyond")
     parser.add_argument("--kinds", default=",".join(KINDS))
     parser.add_argument("--budget-s", type=float, default=None,
                         help="stop starting measurements after this many seconds (default 420, quick 60)")
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--probe", metavar="KIND", help=argparse.SUPPRESS)  # internal: probe_kind's subprocess
+    parser.add_argument("--beyond-child", action="store_true", help=argparse.SUPPRESS)  # internal: beyond_device
     args = parser.parse_args(argv)
     # the GPU's runtime is not the CPU client's pool: leave XLA's own thread choice unless asked otherwise
     os.environ.setdefault(common.XLA_THREADS_ENV, "default")
@@ -402,6 +485,12 @@ def main(argv=None) -> int:
 
         common.configure_runtime()
         print("PROBE-RESULT " + json.dumps(_probe_here(args.probe)), flush=True)
+        return 0
+    if args.beyond_child:
+        import json
+
+        common.configure_runtime()
+        print("BEYOND-RESULT " + json.dumps(_beyond_here(args.quick)), flush=True)
         return 0
     start = time.perf_counter()
     budget = args.budget_s if args.budget_s is not None else (60.0 if args.quick else 420.0)
@@ -415,8 +504,9 @@ def main(argv=None) -> int:
 
     kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
     available = sorted({m.kind for m in jax.devices()[0].addressable_memories()})
-    missing = [k for k in kinds if k not in available]
-    kinds = [k for k in kinds if k in available]
+    offered = set(available) | ({"split"} if "pinned_host" in available else set())
+    missing = [k for k in kinds if k not in offered]
+    kinds = [k for k in kinds if k in offered]
     common.log_line(f"gpu.py: backend {jax.default_backend()}, devices {jax.devices()}, memory kinds {available}"
                     + (f"; not offered here: {missing}" if missing else ""))
     if jax.default_backend() != "gpu":
@@ -430,6 +520,17 @@ def main(argv=None) -> int:
                                               "; ".join(f"{op}: {why[:200]}" for op, why in broken.items())))
     failed = []
     for name in [w.strip() for w in args.only.split(",") if w.strip()]:
+        if name == "beyond":
+            record = beyond_device(args.quick)
+            common.log_line(f"beyond the device budget: {record}")
+            meter = common.MemcpyMeter(64 << 20)
+            meter.measure(3)
+            env = common.environment(meter.record(), {
+                "workload": "gpu_beyond", "description": "a ring about twice the capped device memory, planned "
+                                                         "with Topology.detect()", "gpu": gpu_info()})
+            common.write_jsonl(common.RESULTS_DIR / f"gpu_beyond{'.quick' if args.quick else ''}.jsonl", env,
+                               [record])
+            continue
         if name not in WORKLOADS:
             parser.error(f"--only: {name} is not one of {sorted(WORKLOADS)}")
         try:
@@ -442,9 +543,7 @@ def main(argv=None) -> int:
         env = common.environment(meter.record(), {
             "workload": f"gpu_{name}", "description": f"{name} with Conduit's state in {kinds}",
             "gpu": gpu_info(), "device_copy": device_bw, "memory_kinds_requested": kinds,
-            "memory_kinds_missing": missing, "quick": args.quick, "budget_s": budget,
-            "api_note": "ExperienceDataPlane has no memory-kind argument; gpu.py sets the private _shardings so "
-                        "ingest keeps the state in the requested kind", "probes": probes})
+            "memory_kinds_missing": missing, "quick": args.quick, "budget_s": budget, "probes": probes})
         path = common.RESULTS_DIR / (f"gpu_{name}.quick.jsonl" if args.quick else f"gpu_{name}.jsonl")
         common.write_jsonl(path, env, records)
         print_table(records, name)
