@@ -26,13 +26,18 @@ from conduit_jax.errors import CapacityError
 HOST = "host DRAM"  # the name of the host's pool in needs() and free()
 
 
-def needs(abstract_state, shardings) -> dict[str, int]:
+def needs(abstract_state, shardings, already=None) -> dict[str, int]:
     """Bytes the state needs in each memory: ``"<device> device"`` for each accelerator's own memory, ``HOST`` for
-    host DRAM (every kind on XLA:CPU)."""
+    host DRAM (every kind on XLA:CPU). ``already``: the shardings the state has now (a move): leaves that stay where
+    they are need nothing new."""
     import jax
 
     out: collections.Counter = collections.Counter()
-    for leaf, sharding in zip(jax.tree_util.tree_leaves(abstract_state), jax.tree_util.tree_leaves(shardings)):
+    leaves, targets = jax.tree_util.tree_leaves(abstract_state), jax.tree_util.tree_leaves(shardings)
+    sources = [None] * len(targets) if already is None else jax.tree_util.tree_leaves(already)
+    for leaf, sharding, source in zip(leaves, targets, sources):
+        if source is not None and source == sharding:
+            continue
         per_device = int(leaf.dtype.itemsize)
         for d in sharding.shard_shape(leaf.shape):
             per_device *= int(d)
@@ -88,10 +93,11 @@ def host_free() -> tuple[int, str]:
     return min(bounds)
 
 
-def check_fits(abstract_state, shardings, capacity: int, multiple: int, where: str) -> None:
+def check_fits(abstract_state, shardings, capacity: int, multiple: int, where: str, already=None) -> None:
     """Raise ``CapacityError`` if the state does not fit the memory it is placed in. ``multiple``: what a capacity
-    must be a multiple of (the shard count), for the capacity it suggests."""
-    need = needs(abstract_state, shardings)
+    must be a multiple of (the shard count), for the capacity it suggests. ``already``: the state's shardings now,
+    for a move (a leaf that moves is copied before its old buffer is freed, so its new place needs its bytes)."""
+    need = needs(abstract_state, shardings, already)
     have = free(_devices(shardings))
     for memory, bytes_needed in sorted(need.items()):
         if memory not in have:

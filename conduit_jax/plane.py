@@ -21,7 +21,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from conduit_jax import checkpoint, functional, limits, metrics, replay, runtime, samplers
+from conduit_jax import checkpoint, functional, limits, memory, metrics, replay, runtime, samplers
 from conduit_jax import schedule as schedule_lib
 from conduit_jax.delivery import Scheduler
 from conduit_jax.engine import Engine, pack_updates
@@ -372,16 +372,18 @@ class ExperienceDataPlane:
         if config.num_shards != self.num_shards:
             raise PlacementError(f"replan(): the plan has {config.num_shards} shards, the plane {self.num_shards}; a "
                                  f"live migration keeps the shard count so no item is renumbered")
-        self._move(config, plan.shardings(config))
+        self._move(config, plan.shardings(config), "replan()")
         self.plan = plan
 
     def place(self, shardings) -> None:
         """Move the live state to other memory kinds on the same mesh (a ``ReplayState`` of ``NamedSharding``, e.g.
         ``jax.tree.map(lambda s: s.with_memory_kind("pinned_host"), plane.shardings)``); the kernels from now on
         keep it there."""
-        self._move(self.config, shardings)
+        self._move(self.config, shardings, "place()")
 
-    def _move(self, config, shardings) -> None:
+    def _move(self, config, shardings, where: str) -> None:
+        memory.check_fits(self.engine.abstract, shardings, config.capacity, config.num_shards, where,
+                          already=self.shardings)
         with self._changed:
             engine = Engine(config, shardings, seed=None)
             engine.compiles.update(self.engine.compiles)

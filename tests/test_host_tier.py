@@ -34,6 +34,11 @@ def test_needs_counts_each_device_share_and_every_replica():
     sharded = sum(nbytes(leaf) for leaf, s in zip(jax.tree_util.tree_leaves(abstract),
                                                  jax.tree_util.tree_leaves(shardings)) if not s.is_fully_replicated)
     assert sharded >= ring and need[memory.HOST] == sharded + 8 * replicated
+    # a move (place, replan) needs new room only for the leaves that move: here the ring alone
+    from test_kernel_hlo import host_ring
+
+    moving = memory.needs(abstract, host_ring(shardings), already=shardings)
+    assert moving == {memory.HOST: (1 << 12) * config.layout.row_bytes}
 
 
 def test_a_ring_beyond_the_device_budget_lives_in_host_memory_and_samples_correctly():
