@@ -37,6 +37,8 @@ from experiments import SCHEDULES, dqn, ppo
 
 RESULTS = Path(__file__).resolve().parent / "results"
 GOAL = 97.0  # % reduction of exposed latency vs sync the issue asks for when the learner step >= experience path
+GOALS = {"dqn": 97.0, "dqn_large_learner": 97.0, "ppo": 90.0}  # issue 23: per workload
+ITERATION_GOAL = 0.9  # issue 23: the iteration shorter than sync's by at least this fraction of sync's exposed time
 
 
 def workloads(quick: bool) -> dict[str, tuple[Callable, Any]]:
@@ -52,7 +54,7 @@ def workloads(quick: bool) -> dict[str, tuple[Callable, Any]]:
     }
 
 
-TIMED = ("exposed_us", "exposed_p99_us", "iteration_us", "learner_compute_us", "sample_dispatch_us", "ingest_us",
+TIMED = ("exposed_us", "exposed_p99_us", "exposed_mean_us", "exposed_first_us", "iteration_us", "learner_compute_us", "sample_dispatch_us", "ingest_us",
          "update_us", "learner_span_us")
 
 
@@ -63,6 +65,7 @@ def _one_run(name: str, make_train, base, policy: str, seed: int, trace: Optiona
         config = dataclasses.replace(base, schedule=policy, seed=seed)
     train = make_train(config)
     result = train(jax.random.key(seed))
+    train.plane.close()  # stops a prefetching schedule's delivery worker before the next run
     if trace is not None:
         trace.parent.mkdir(parents=True, exist_ok=True)
         train.plane.timeline.chrome_trace(str(trace))
@@ -71,6 +74,7 @@ def _one_run(name: str, make_train, base, policy: str, seed: int, trace: Optiona
     return {
         "workload": name, "schedule": policy,
         "exposed_us": exposed.get("median_us"), "exposed_p99_us": exposed.get("p99_us"),
+        "exposed_mean_us": exposed.get("mean_us"), "exposed_first_us": _first_after_rollout(train.plane, config),
         "iteration_us": result["iteration_us"], "learner_compute_us": result["learner_compute_us"],
         # host time of one sample() call: dispatching a batch, which deliver() does for the refill
         "sample_dispatch_us": stages.get("sample", {}).get("median_us"),
@@ -80,6 +84,17 @@ def _one_run(name: str, make_train, base, policy: str, seed: int, trace: Optiona
         "eval_return": result["eval_return"], "prefetch_depth_final": result["plane_stats"]["prefetch_depth"],
         "wall_s": result["wall_s"], "curve": result["curve"], "stages": stages,
     }
+
+
+def _first_after_rollout(plane, config) -> Optional[float]:
+    """PPO: the median exposed time of the first deliver() after each rollout's ingest (the one no prefetch of the
+    previous epoch can cover), the first rollout (compilation) left out; None for other learners."""
+    per_rollout = getattr(config, "epochs", 0) * getattr(config, "num_minibatches", 0)
+    if not per_rollout:
+        return None
+    spans = [e["dur"] for e in plane.timeline.chrome_trace()["traceEvents"] if e["name"] == "exposed"]
+    first = spans[per_rollout::per_rollout]
+    return float(np.median(first)) if first else None
 
 
 def run(quick: bool, seed: int = 0, rounds: int = 1, trace_path: Optional[Path] = None,
@@ -130,8 +145,12 @@ def summarize(report: dict) -> dict:
             100.0 * (1.0 - row["exposed_us"] / sync["exposed_us"])
         row["iteration_reduction_pct"] = 100.0 * (1.0 - row["iteration_us"] / sync["iteration_us"])
         row["learner_ge_experience_path"] = bool(learner >= sync["exposed_us"])
+        goal = GOALS.get(row["workload"], GOAL)
+        row["goal_pct"] = goal
         row["goal_reached"] = None if row["exposed_reduction_pct"] is None else \
-            row["schedule"] == "sync" or row["exposed_reduction_pct"] >= GOAL
+            row["schedule"] == "sync" or row["exposed_reduction_pct"] >= goal
+        # issue 23: what the iteration gains, in units of what sync exposes (goal: >= ITERATION_GOAL)
+        row["iteration_gain_of_sync_exposed"] = (sync["iteration_us"] - row["iteration_us"]) / sync["exposed_us"]
     report["verdict"] = verdict(report)
     return report
 
@@ -156,48 +175,59 @@ def _pct(value) -> str:
 
 def format_table(report: dict) -> str:
     lines = [f"{'workload':<18} {'schedule':<9} {'exposed us':>10} {'vs sync':>8} {'dispatch us':>11} {'iter us':>8} "
-             f"{'vs sync':>8} {'learner us':>10} {'exp.path us':>11} {'learner>=path':>13} {'97% goal':>8}"]
+             f"{'vs sync':>8} {'learner us':>10} {'exp.path us':>11} {'learner>=path':>13} {'goal':>8} "
+             f"{'iter gain/exp':>13}"]
     for r in report["rows"]:
         goal = "-" if r["schedule"] == "sync" or r["goal_reached"] is None else ("yes" if r["goal_reached"] else "no")
         lines.append(f"{r['workload']:<18} {r['schedule']:<9} {_us(r['exposed_us']):>10} "
                      f"{_pct(r['exposed_reduction_pct']):>8} {_us(r['sample_dispatch_us']):>11} "
                      f"{r['iteration_us']:>8.0f} {_pct(r['iteration_reduction_pct']):>8} "
                      f"{r['learner_step_us']:>10.0f} {r['experience_path_us']:>11.0f} "
-                     f"{'yes' if r['learner_ge_experience_path'] else 'no':>13} {goal:>8}")
+                     f"{'yes' if r['learner_ge_experience_path'] else 'no':>13} "
+                     f"{goal + ' ' + str(int(r.get('goal_pct', GOAL))) + '%' if goal != '-' else '-':>8} "
+                     f"{r.get('iteration_gain_of_sync_exposed', 0.0):>13.2f}")
     lines.append("exposed: median wait in deliver(); dispatch: host time of one sample() call (deliver() makes one for "
                  "the refill, on the critical path); learner: the learner step alone on a ready batch "
                  "(median over the workload's runs); exp.path: "
                  "exposed under sync; fused: plane.sample_fn() inside the learner's jit (no deliver(), so no "
-                 "exposed time of its own: compare iteration latency)")
+                 "exposed time of its own: compare iteration latency); iter gain/exp: (sync iteration - this "
+                 f"iteration) / sync exposed, goal >= {ITERATION_GOAL}")
     return "\n".join(lines)
 
 
 def verdict(report: dict) -> list[str]:
-    """Plain statements of where the 97% goal is and is not reached, and why."""
+    """Plain statements of where the goals are and are not reached (exposed cut; iteration gain), and why."""
     out = []
     for workload in dict.fromkeys(r["workload"] for r in report["rows"]):
         rows = [r for r in report["rows"] if r["workload"] == workload]
-        best = max((r for r in rows if r["schedule"] not in ("sync", "fused")),
-                   key=lambda r: r["exposed_reduction_pct"])
-        condition = rows[0]["learner_ge_experience_path"]
-        status = "reached" if best["exposed_reduction_pct"] >= GOAL else "NOT reached"
-        out.append(f"{workload}: learner step {rows[0]['learner_step_us']:.0f} us vs experience path "
-                   f"{rows[0]['experience_path_us']:.0f} us (condition {'holds' if condition else 'does not hold'}); "
-                   f"best policy {best['schedule']} cuts exposed latency by {best['exposed_reduction_pct']:.1f}% "
-                   f"-> 97% goal {status}; {best['exposed_us']:.0f} us remain, of which ~"
-                   f"{best['sample_dispatch_us']:.0f} us is the refill's dispatch inside deliver()"
-                   + "".join(f"; fused sampling: iteration {r['iteration_us']:.0f} us vs sync "
-                             f"{rows[0]['iteration_us']:.0f} us" for r in rows if r["schedule"] == "fused"))
+        sync = next(r for r in rows if r["schedule"] == "sync")
+        scheduled = [r for r in rows if r["schedule"] not in ("sync", "fused")]
+        best = max(scheduled, key=lambda r: r["exposed_reduction_pct"])
+        fastest = max(scheduled, key=lambda r: r["iteration_gain_of_sync_exposed"])
+        goal = GOALS.get(workload, GOAL)
+        both = [r["schedule"] for r in scheduled
+                if r["exposed_reduction_pct"] >= goal and r["iteration_gain_of_sync_exposed"] >= ITERATION_GOAL]
+        first = "" if best.get("exposed_first_us") is None else \
+            (f"; the first deliver() after a rollout exposes {best['exposed_first_us']:.0f} us (sync "
+             f"{sync['exposed_first_us']:.0f} us)")
+        out.append(f"{workload}: sync exposes {sync['exposed_us']:.0f} us per deliver() (learner step "
+                   f"{rows[0]['learner_step_us']:.0f} us); best exposed cut {best['schedule']} "
+                   f"{best['exposed_reduction_pct']:.1f}% ({best['exposed_us']:.1f} us left; goal {goal:.0f}% "
+                   f"{'reached' if best['exposed_reduction_pct'] >= goal else 'NOT reached'}){first}; best iteration "
+                   f"{fastest['schedule']} {fastest['iteration_us']:.0f} us vs sync {sync['iteration_us']:.0f} us = "
+                   f"{fastest['iteration_gain_of_sync_exposed']:.2f}x sync's exposed time (goal >= {ITERATION_GOAL}: "
+                   f"{'reached' if fastest['iteration_gain_of_sync_exposed'] >= ITERATION_GOAL else 'NOT reached'}); "
+                   f"both goals by one policy: {', '.join(both) if both else 'none'}"
+                   + "".join(f"; fused sampling: iteration {r['iteration_us']:.0f} us" for r in rows
+                             if r["schedule"] == "fused"))
     cores = report["environment"].get("cpu_count", "?")
     out.append(
-        f"Why not 97% here: (1) {cores} shared CPU cores: XLA:CPU runs the sample kernel on the same cores as the "
-        "learner's step (and small kernels inline on the dispatching thread), so 'overlap' hides less than on a GPU, "
-        "whose host thread is free while the device computes; (2) deliver() does host work on the critical path that "
-        "no prefetch hides: dispatching the replacement batch (lock, refusal check, kernel launch: tens of us) and, "
-        "for on-policy data, re-checking the batch against the current policy version (a few small dispatches); the "
-        "first minibatch after a rollout is ingested cannot be prefetched at all (the rate limiter admits it only "
-        "once the rollout is in). Where the remaining exposed time is this fixed host cost, a 97% cut needs a sync "
-        "baseline ~30x larger.")
+        f"What is left and why: the delivery worker (conduit_jax/delivery.py) dispatches, checks and waits for every "
+        f"prefetched batch on its own thread, so deliver() is a queue pop. The iteration gains only what runs in "
+        f"parallel: on {cores} shared CPU cores XLA:CPU computes a small sample kernel inside its dispatch (on the "
+        f"worker's thread, holding the plane's lock the learner's ingest also needs) and the worker's Python shares "
+        f"one GIL with the learner's, so the time sync exposed is partly moved, not removed; how much is hidden "
+        f"depends on a core being free, which the other processes of this shared host take.")
     return out
 
 
