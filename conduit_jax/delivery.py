@@ -291,10 +291,8 @@ class Scheduler:
             if self._last_end is not None:
                 timeline.record("learner", self._last_end, start)
                 self._smooth("learner", start - self._last_end)
-            if not self.in_flight:  # the worker may be drawing one (e.g. kicked by the ingest of a rollout)
-                self.settle()
-            if not self.in_flight:  # nothing prefetched: draw on this thread, as sync does
-                self.apply_due()
+            if not self.in_flight:  # nothing prefetched: draw on this thread, as sync does (the worker cannot draw
+                # while this holds the lock, so what the plane admits now is the whole story)
                 self.in_flight.append(Prefetched(self._draw(timeout=timeout, recycle=recycle), self.epoch))
                 recycle = None
             batch = self.in_flight.popleft()
@@ -333,14 +331,16 @@ class Scheduler:
         """The worker's unit of work, under the lock: due deferred updates in, then one more batch dispatched while
         the schedule wants one and the plane admits it, then the oldest batch not known to be computed waited for.
         Returns what to wait for without the lock (``DeliveryWorker``), or None when there is nothing to do."""
-        computing = self.deferred.computing(self.step) if self.deferred is not None else ()
-        if computing:  # due TD errors still being computed: wait for them without the lock, then check them
-            return lambda: jax.block_until_ready(computing) and None
-        try:
-            self.apply_due()
-        except PriorityError as error:  # raised by the learner's next deliver(); the valid updates still apply
-            self.worker.report(error)
         if len(self.in_flight) < self.depth and self._admits():
+            # the due updates go in with this draw (not before: a kernel of their own would run on the learner's
+            # next call that reads the state, its ingest)
+            computing = self.deferred.computing(self.step) if self.deferred is not None else ()
+            if computing:  # due TD errors still being computed: wait for them without the lock, then poll again
+                return lambda: jax.block_until_ready(computing) and None
+            try:
+                self.apply_due()
+            except PriorityError as error:  # raised by the learner's next deliver(); the valid updates still apply
+                self.worker.report(error)
             recycle, self.recycle = self.recycle, None
             batch = Prefetched(self._draw(recycle=recycle), self.epoch)
             # XLA:CPU computes a small kernel inside its dispatch: then it is ready now, and no wait follows

@@ -4,7 +4,10 @@ The shell decides; the engine (``engine.py``) runs. Here: input checks before an
 leaves the state exactly as it was), waits, rate-limit and queue decisions, the delivery schedule, deferred priority
 updates. Everything that must survive a checkpoint is in ``plane.state``; the shell's own host-side values are either
 derived from it (the status counters) or transient delivery bookkeeping (batches in flight, deferred updates), which
-``save()`` settles first. Code that runs inside ``jax.jit`` uses the functional API (``functional.py``) instead.
+``save()`` settles first. The schedule's host side (batches in flight, deferred updates, and for a prefetching
+schedule the delivery worker thread that draws them) is ``delivery.Scheduler``; it runs under this shell's lock and
+reaches the plane only through the callables it is given. Code that runs inside ``jax.jit`` uses the functional API
+(``functional.py``) instead.
 """
 
 from __future__ import annotations
@@ -75,6 +78,7 @@ class ExperienceDataPlane:
         # dispatch for both); anything else that reads the state applies them first (_flush_updates). A deque:
         # update_priorities appends without the lock (it never waits for a draw of the delivery worker)
         self._pending_updates: collections.deque[tuple[np.ndarray, np.ndarray]] = collections.deque()
+        self._update_rows = 0  # rows of the packed updates the kernels were last given (see _take_pending_updates)
         # the schedule's host side (batches in flight, deferred updates, the delivery worker); it reaches the plane
         # through weak references, so an unclosed plane is freed as usual and its worker stops
         self._schedule = Scheduler(self.schedule, self._changed, self.capacity, draw=_weakly(self, "sample"),
@@ -206,7 +210,7 @@ class ExperienceDataPlane:
         """
         runtime.refuse_under_trace("sample()", "state, delivery = buffer.sample(state)")
         with self._changed:
-            self._schedule.settle()  # the worker's due updates are in (the priority staleness bound)
+            self._schedule.apply_due()  # every deferred update due now is in (the priority staleness bound)
             self._wait_until(self._sample_refusal, timeout)
             self._check_recycle(recycle, "sample()")
             with self.timeline.span("sample"):
@@ -330,7 +334,16 @@ class ExperienceDataPlane:
         """The checked updates not yet in the state, packed for one kernel (``engine.pack_updates``), or None."""
         pending = self._pending_updates
         taken = [pending.popleft() for _ in range(len(pending))]  # an append meanwhile waits for the next kernel
-        return pack_updates(taken) if taken else None
+        if not taken:
+            return None
+        packed = pack_updates(taken)
+        # padded (rows marked invalid) to the largest bucket so far, and with a delivery worker to 4x the first: how
+        # many steps' updates one kernel coalesces depends on thread timing, and each new bucket compiles a kernel
+        # (~0.5 s here, holding the lock) in the middle of a run; 4x 64 rows cost ~10 us more per kernel here
+        rows = max(packed.shape[0], self._update_rows or packed.shape[0] * (4 if self.schedule.depth else 1))
+        self._update_rows = rows
+        return packed if rows == packed.shape[0] else np.concatenate(
+            [packed, np.zeros((rows - packed.shape[0], packed.shape[1]), packed.dtype)])
 
     def _flush_updates(self) -> None:
         """Apply checked priority updates in a kernel of their own (before a call other than sample reads the

@@ -222,7 +222,7 @@ def verdict(report: dict) -> list[str]:
                              if r["schedule"] == "fused"))
     cores = report["environment"].get("cpu_count", "?")
     out.append(
-        f"What is left and why: the delivery worker (conduit_jax/delivery.py) dispatches, checks and waits for every "
+        f"Why the iteration gains less than the exposed cut: the delivery worker (conduit_jax/delivery.py) dispatches, checks and waits for every "
         f"prefetched batch on its own thread, so deliver() is a queue pop. The iteration gains only what runs in "
         f"parallel: on {cores} shared CPU cores XLA:CPU computes a small sample kernel inside its dispatch (on the "
         f"worker's thread, holding the plane's lock the learner's ingest also needs) and the worker's Python shares "

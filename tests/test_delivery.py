@@ -35,7 +35,8 @@ def test_refills_are_drawn_and_finished_off_the_learners_thread():
         plane.deliver()
         queued = plane.in_flight()  # waits until the worker has done what it can: two batches, both computed
         assert len(queued) == 2 and all(leaf.is_ready() for leaf in queued[0].data.values())
-    assert threading.get_ident() not in _sample_threads(plane)
+    # the first batch: nothing was in flight, so deliver() drew it; every refill came from the worker
+    assert threading.get_ident() not in _sample_threads(plane)[1:]
     assert len(ExperienceDataPlane(SPEC, 64, samplers.uniform(8), mesh=default_mesh(1))._schedule.in_flight) == 0
     plane.close()
 
@@ -48,11 +49,13 @@ def test_the_first_minibatches_of_a_rollout_are_staged_as_it_is_ingested():
                                 limiter=limits.sample_to_insert_ratio(epochs, 1, (epochs + batch) / 2),
                                 mesh=default_mesh(1))
     for it in range(2):
+        drawn = len(_sample_threads(plane))
         plane.ingest({"x": np.arange(rollout, dtype=np.int32)})
-        assert len(plane.in_flight()) == 2  # staged with no deliver() called
+        assert len(plane.in_flight()) == 2  # staged with no deliver() called, by the worker
+        assert threading.get_ident() not in _sample_threads(plane)[drawn:]
+        # (a learner faster than the worker draws a refill itself: deliver() never waits for the worker)
         seen = np.concatenate([np.asarray(plane.deliver().data["x"]) for _ in range(epochs * rollout // batch)])
         assert (np.bincount(seen, minlength=rollout) == epochs).all()
-    assert threading.get_ident() not in _sample_threads(plane)
     plane.close()
 
 
