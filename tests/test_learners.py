@@ -33,7 +33,8 @@ def test_dqn_learns_cartpole(schedule):
     config = dqn.DQNConfig(total_env_steps=24_000, schedule=schedule, seed=0)
     result = dqn.make_train(config)(jax.random.key(config.seed))
     _check_learned(result)
-    assert result["stages"]["update"]["calls"] > 0
+    # priority updates reached the state: in a kernel of their own, or riding in a draw (the delivery worker's)
+    assert any(kernel.startswith("update") for kernel in result["plane_stats"]["compiled"])
     assert result["plane_stats"]["schedule"] == schedule
 
 
