@@ -155,8 +155,10 @@ def bind(config: ReplayConfig, shardings) -> Buffer:
         return engine.placed(state, shardings)
 
     def can_sample(state: ReplayState, batches: Optional[int] = None) -> jax.Array:
+        return _can_sample(engine.computable(state, shardings), batches)
+
+    def _can_sample(state: ReplayState, batches: Optional[int]) -> jax.Array:  # over a computable state
         draws = 1 if batches is None else batches
-        state = engine.computable(state, shardings)
         # a queue hands each item out once: k batches need k batches' worth of undelivered items
         needed = sampler.min_items + (draws - 1) * sampler.batch_size * int(sampler.consumes)
         enough = replay.deliverable(config, state) >= needed
@@ -166,7 +168,7 @@ def bind(config: ReplayConfig, shardings) -> Buffer:
     def sample(state: ReplayState, batches: Optional[int] = None) -> tuple[ReplayState, Delivery]:
         replay.check_batches(config, batches, "Buffer.sample()")
         state = engine.computable(state, shardings)
-        valid = can_sample(state, batches)
+        valid = _can_sample(state, batches)
         new_state, delivery = replay.sample(config, state, batches)
         # a refused draw changes nothing: every counter of the state stays as it was (storage is never written here)
         rest = jax.tree_util.tree_map(lambda new, old: jnp.where(valid, new, old), new_state.replace(storage=None),

@@ -110,9 +110,9 @@ def check_fits(abstract_state, shardings, capacity: int, multiple: int, where: s
         host_tier = ("" if memory == HOST else
                      "; or keep the ring in host memory: placement.plan(spec, capacity, "
                      "placement.Topology.detect()) spills it to pinned_host when device memory is short")
-        raise CapacityError(f"{where}: the state of capacity {capacity:,} needs {_bytes(bytes_needed)} in {memory} "
-                            f"but {_bytes(max(available, 0))} is free (bounded by {why}); {hint}{host_tier}, "
-                            f"or free memory. Nothing was allocated.")
+        raise CapacityError(f"{where}: the state of capacity {capacity:,} needs {format_bytes(bytes_needed)} in "
+                            f"{memory} but {format_bytes(max(available, 0))} is free (bounded by {why}); {hint}"
+                            f"{host_tier}, or free memory. Nothing was allocated.")
 
 
 def _devices(shardings):
@@ -160,8 +160,10 @@ def _cgroup_free() -> Optional[int]:
     return None
 
 
-def _bytes(n: float) -> str:
+def format_bytes(n: float) -> str:
+    """``n`` bytes in decimal units, one decimal: ``34.9 GB``."""
+    n = float(n)
     for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
-        if n >= size:
+        if abs(n) >= size:
             return f"{n / size:.1f} {unit}"
     return f"{int(n)} B"

@@ -148,8 +148,8 @@ def launch(target: str, num_processes: int = 2, *, local_cpu_devices: int = 2, k
     base.pop("XLA_FLAGS", None)  # an emulated device count would fight jax_num_cpu_devices
     procs = []
     for i in range(num_processes):
-        cmd = [sys.executable, "-c", "import sys; from conduit_jax.distributed.multihost import _main; "
-               "sys.exit(_main(sys.argv[1:]))", target, json.dumps(kwargs or {})]
+        cmd = [sys.executable, "-c", "import sys; from conduit_jax.distributed.multihost import process_main; "
+               "sys.exit(process_main(sys.argv[1:]))", target, json.dumps(kwargs or {})]
         proc_env = {**base, ENV_COORDINATOR: coordinator, ENV_NUM_PROCESSES: str(num_processes),
                     ENV_PROCESS_ID: str(i), ENV_LOCAL_DEVICES: str(local_cpu_devices)}
         procs.append(subprocess.Popen(cmd, env=proc_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
@@ -224,7 +224,7 @@ def launch_with_ray(target: str, num_processes: int = 2, *, local_cpu_devices: i
         remove_placement_group(group)
 
 
-def _main(argv: list[str]) -> int:
+def process_main(argv: list[str]) -> int:
     target, kwargs = argv[0], json.loads(argv[1]) if len(argv) > 1 else {}
     result = run_worker(target, int(os.environ[ENV_PROCESS_ID]), int(os.environ[ENV_NUM_PROCESSES]),
                         os.environ[ENV_COORDINATOR], int(os.environ.get(ENV_LOCAL_DEVICES, "2")), kwargs)
@@ -233,4 +233,4 @@ def _main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(_main(sys.argv[1:]))
+    sys.exit(process_main(sys.argv[1:]))

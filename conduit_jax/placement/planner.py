@@ -27,6 +27,7 @@ import sys
 from collections import defaultdict
 from typing import Any, Optional, Sequence
 
+from conduit_jax.memory import format_bytes as _bytes
 from conduit_jax.placement import cost
 from conduit_jax.placement.cost import (
     GLOBAL_DRAW_SAMPLERS,
@@ -649,14 +650,6 @@ def _describe(p: Placement) -> str:
     return (f"{p.num_shards} shard{'s' if p.num_shards > 1 else ''}, storage in {p.storage}, index in {p.index}"
             + ("" if p.sample_route == "global" else f", {p.sample_route} sampling")
             + ("" if p.ingest_route == "replicated" else f", {p.ingest_route} ingest"))
-
-
-def _bytes(n: float) -> str:
-    n = float(n)
-    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
-        if abs(n) >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{int(n)} B"
 
 
 def _bw(bps: float) -> str:
