@@ -75,11 +75,10 @@ class ConduitIn(peers.Conduit):
         import jax
 
         plane = self.plane
-        from conduit_jax.placement import part_of
+        from conduit_jax.placement import with_part_in
 
         if self.kind == "split":  # the ring in pinned host memory, the rest where it is (device)
-            target = jax.tree_util.tree_map_with_path(lambda path, s: s.with_memory_kind("pinned_host")
-                                                      if part_of(path, s) == "storage" else s, plane.shardings)
+            target = with_part_in(plane.shardings, "storage", "pinned_host")
         else:
             target = jax.tree_util.tree_map(lambda s: s.with_memory_kind(self.kind), plane.shardings)
         start = time.perf_counter()

@@ -8,6 +8,7 @@ import pytest
 
 from conduit_jax import CapacityError, ExperienceDataPlane, default_mesh, functional, memory, placement, samplers
 from conduit_jax.engine import memory_moves
+from conduit_jax.placement import with_part_in
 from conduit_jax.placement.cost import Placement, Workload, estimate
 
 WIDE = {"obs": jax.ShapeDtypeStruct((64,), np.float32), "action": jax.ShapeDtypeStruct((), np.int32)}
@@ -35,9 +36,7 @@ def test_needs_counts_each_device_share_and_every_replica():
                                                  jax.tree_util.tree_leaves(shardings)) if not s.is_fully_replicated)
     assert sharded >= ring and need[memory.HOST] == sharded + 8 * replicated
     # a move (place, replan) needs new room only for the leaves that move: here the ring alone
-    from test_kernel_hlo import host_ring
-
-    moving = memory.needs(abstract, host_ring(shardings), already=shardings)
+    moving = memory.needs(abstract, with_part_in(shardings, "storage", "pinned_host"), already=shardings)
     assert moving == {memory.HOST: (1 << 12) * config.layout.row_bytes}
 
 
@@ -71,11 +70,9 @@ def test_the_planner_keeps_a_ring_beyond_hbm_in_pinned_host_and_says_why():
 def test_the_cost_model_prices_the_bytes_the_sample_kernel_moves():
     """On a GPU topology the planner predicts the host-to-device bytes of one sample over a pinned_host ring: the
     batch's rows. The kernel lowered for CUDA moves exactly its leaves' bytes (words, here: rows are their leaves)."""
-    from test_kernel_hlo import host_ring
-
     batch = 64
     plane = ExperienceDataPlane(WIDE, 1 << 12, samplers.uniform(batch), mesh=default_mesh(1))
-    plane.place(host_ring(plane.shardings))
+    plane.place(with_part_in(plane.shardings, "storage", "pinned_host"))
     moved = memory_moves(plane.engine.lowered("sample", platform="cuda").as_text())
     to_device = sum(size for kind, size in moved if kind == "device")
     costs = estimate(placement.h200(), Workload(batch_size=batch), Placement((0,), (1,), ("shard",),

@@ -14,6 +14,7 @@ import pytest
 
 from conduit_jax import ExperienceDataPlane, default_mesh, samplers
 from conduit_jax.engine import memory_moves
+from conduit_jax.placement import with_part_in
 
 CAPACITY = 1 << 14
 SPEC = {"obs": jax.ShapeDtypeStruct((6,), np.float32), "terminated": jax.ShapeDtypeStruct((), np.bool_),
@@ -125,15 +126,6 @@ def test_kernels_take_the_state_counters_as_one_vector(sampler):
 # ------------------------------------------------------------------------------------------------------------------
 # XLA:CPU lowers a memory-kind move to nothing (every kind is one DRAM), so the optimized HLO here cannot show one.
 # The kernels are lowered for CUDA instead and read with ``engine.memory_moves``.
-def host_ring(shardings):
-    """``shardings`` with the ring's rows in pinned_host memory, the rest where it was (the planner's hot/cold split:
-    the index and counters stay in device memory)."""
-    from conduit_jax.placement import part_of
-
-    return jax.tree_util.tree_map_with_path(
-        lambda path, s: s.with_memory_kind("pinned_host") if part_of(path, s) == "storage" else s, shardings)
-
-
 def batch_bytes(config) -> int:
     """Bytes of one delivered batch's data."""
     sampler = config.sampler
@@ -144,7 +136,7 @@ def batch_bytes(config) -> int:
 @pytest.mark.parametrize("sampler", ["uniform", "prioritized", "sequences"])
 def test_a_host_ring_is_read_in_place(sampler):
     plane = ExperienceDataPlane(SPEC, CAPACITY, SAMPLERS[sampler](), mesh=default_mesh(1))
-    plane.place(host_ring(plane.shardings))
+    plane.place(with_part_in(plane.shardings, "storage", "pinned_host"))  # the hot/cold split
     ring = plane.state.storage.rows
     assert ring.sharding.memory_kind == "pinned_host"
     engine = plane.engine

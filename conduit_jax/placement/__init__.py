@@ -7,12 +7,12 @@
 """
 
 from conduit_jax.placement.cost import Costs, Placement, Workload, estimate, part_bytes
-from conduit_jax.placement.planner import Plan, cli_main, parse_spec, part_of, plan
+from conduit_jax.placement.planner import Plan, cli_main, parse_spec, part_of, plan, with_part_in
 from conduit_jax.placement.topology import (MEMORY_KINDS, PRESETS, Device, Link, MemorySpace, PlacementError, Timing,
                                             Topology, cluster, dgx_h100, emulated_cpu, h200, pcie_8gpu)
 
 __all__ = [
     "MEMORY_KINDS", "PRESETS", "Costs", "Device", "Link", "MemorySpace", "Placement", "PlacementError", "Plan",
     "Timing", "Topology", "Workload", "cli_main", "cluster", "dgx_h100", "emulated_cpu", "estimate", "h200",
-    "parse_spec", "part_bytes", "part_of", "pcie_8gpu", "plan",
+    "parse_spec", "part_bytes", "part_of", "pcie_8gpu", "plan", "with_part_in",
 ]

@@ -269,6 +269,16 @@ def part_of(path, leaf) -> str:
     return "control"
 
 
+def with_part_in(shardings, part: str, memory_kind: str):
+    """``shardings`` (one ``NamedSharding`` per state leaf) with the leaves of ``part`` ("storage", "index" or
+    "control", see ``part_of``) in ``memory_kind`` and the rest as they were: e.g. the ring in pinned host memory and
+    the index in device memory, for ``plane.place``."""
+    import jax
+
+    return jax.tree_util.tree_map_with_path(
+        lambda path, s: s.with_memory_kind(memory_kind) if part_of(path, s) == part else s, shardings)
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # plan()
 # ------------------------------------------------------------------------------------------------------------------
