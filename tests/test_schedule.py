@@ -161,6 +161,10 @@ def test_priority_staleness_never_exceeds_k(policy):
     dominated = []
     for step in range(1, 20):
         delivery = plane.deliver()
+        # the learner's compute, during which the worker refills: settled (plane.in_flight() waits for it), so each
+        # refill is drawn before the next delivery whatever the machine's load (a busy CI box could otherwise let
+        # the learner run two deliveries ahead of the worker, and no draw would fall inside the bound's window)
+        plane.in_flight()
         x, ids = np.asarray(delivery.data["x"]), np.asarray(delivery.ids)
         dominated.append(np.mean(x == hot) > 0.9)
         if hot_id is None and (x == hot).any():
