@@ -18,6 +18,21 @@ def test_import_does_not_pull_in_frameworks():
     assert loaded == {m: False for m in FORBIDDEN}, f"import conduit_jax loaded {[m for m, v in loaded.items() if v]}"
 
 
+def test_the_cli_answers_help_and_argument_errors_without_jax():
+    """``conduit --help`` and a malformed argument answer before JAX is imported (heavy imports only where a
+    command runs), and the error is one line naming the flag."""
+    code = ("import sys\nfrom conduit_jax import cli\n"
+            "for argv in (['--help'], ['demo', '--help'], ['plan', '--spec', 'obs:float32:8x', '--capacity', '8']):\n"
+            "    try:\n        cli.main(argv)\n    except SystemExit:\n        pass\n"
+            "print('jax loaded' if 'jax' in sys.modules else 'no jax', file=sys.stderr)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    errors = result.stderr.strip().splitlines()
+    assert errors[-1] == "no jax", result.stderr
+    assert errors[:-1] == ["conduit plan: error: argument --spec: leaf 'obs': expected a shape like 84x84x4 (positive "
+                           "ints joined by x), got '8x' (see conduit plan --help)"]
+    assert "--schedule" in result.stdout  # the demo's help was printed
+
+
 def test_public_api_resolves():
     import conduit_jax
 

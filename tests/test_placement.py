@@ -16,7 +16,7 @@ from conduit_jax import ExperienceDataPlane, samplers
 from conduit_jax.errors import ConduitError
 from conduit_jax.placement import (MEMORY_KINDS, Link, Placement, PlacementError, Plan, Topology, Workload,
                                    cli_main, cluster, dgx_h100, emulated_cpu, estimate, h200, part_bytes, part_of,
-                                   pcie_8gpu, plan)
+                                   parse_spec, pcie_8gpu, plan)
 from conduit_jax.placement.cost import staging_bytes
 from conduit_jax.placement.topology import CPU_TIMING, GB, GPU_TIMING, MB, US
 
@@ -369,3 +369,19 @@ def test_cli(capsys):
     assert cli_main(["--topology", "h200", "--spec", "28224", "--capacity", "100000000"]) == 2
     assert "short by" in capsys.readouterr().err
     assert cli_main(["--topology", "nope", "--spec", "4", "--capacity", "8"]) == 2
+
+
+@pytest.mark.parametrize("text, names", [
+    ("obs:float32:8x", "expected a shape like 84x84x4"),
+    ("obs:float33:8", "dtype 'float33' is not one of"),
+    ("obs:float32:0", "the shape must be positive ints"),
+    ("obs", "expected name:dtype[:shape]"),
+    ('{"obs": 3}', "expected a JSON object"),
+    ("@/no/such/spec.json", "cannot read '/no/such/spec.json'"),
+])
+def test_a_malformed_spec_names_the_flag_and_the_fault(text, names):
+    with pytest.raises(PlacementError, match=r"^--spec: .*" + re.escape(names)):
+        parse_spec(text)
+    with pytest.raises(SystemExit) as exit_info:  # argparse refuses it while parsing: nothing heavy has run
+        cli_main(["--spec", text, "--capacity", "8"])
+    assert exit_info.value.code == 2

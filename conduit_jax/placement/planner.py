@@ -687,35 +687,70 @@ _DTYPES = ("bool", "uint8", "int8", "uint16", "int16", "uint32", "int32", "float
 
 def parse_spec(text: str):
     """A spec from the command line: item bytes (``400``), compact leaves (``obs:uint8:84x84x4,act:int32,rew:float32``
-    — name:dtype[:shape]), a JSON object ``{"obs": [[84, 84, 4], "uint8"], ...}``, or ``@file.json``."""
-    text = text.strip()
-    if text.startswith("@"):
-        with open(text[1:]) as f:
-            text = f.read().strip()
-    if text.isdigit():
-        return int(text)
+    — name:dtype[:shape]), a JSON object ``{"obs": [[84, 84, 4], "uint8"], ...}``, or ``@file.json``. Returns the
+    bytes (an int) or ``{name: jax.ShapeDtypeStruct}``; a malformed spec raises ``PlacementError`` naming ``--spec``."""
+    leaves = spec_fields(text)
+    if isinstance(leaves, int):
+        return leaves
     import jax
+    import jax.numpy as jnp
     import numpy as np
 
-    def struct(shape, dtype):
-        if dtype not in _DTYPES:
-            raise PlacementError(f"--spec: dtype {dtype!r} is not one of {_DTYPES}")
-        import jax.numpy as jnp
+    return {name: jax.ShapeDtypeStruct(shape, jnp.bfloat16 if dtype == "bfloat16" else np.dtype(dtype))
+            for name, (shape, dtype) in leaves.items()}
 
-        return jax.ShapeDtypeStruct(tuple(int(x) for x in shape), jnp.bfloat16 if dtype == "bfloat16"
-                                    else np.dtype(dtype))
+
+def spec_fields(text: str):
+    """``parse_spec`` without JAX: the bytes (an int) or ``{name: (shape, dtype name)}``, every field checked (so a
+    command line is refused before anything heavy is imported)."""
+    text = text.strip()
+    if text.startswith("@"):
+        try:
+            with open(text[1:]) as f:
+                text = f.read().strip()
+        except OSError as exc:
+            raise PlacementError(f"--spec: cannot read {text[1:]!r}: {exc.strerror}") from None
+    if text.isdigit():
+        return int(text)
+
+    def leaf(name, shape, dtype, what):
+        if not isinstance(name, str) or not name:
+            raise PlacementError(f"--spec: {what}: expected a leaf name, got {name!r}")
+        if dtype not in _DTYPES:
+            raise PlacementError(f"--spec: {what}: dtype {dtype!r} is not one of {', '.join(_DTYPES)}")
+        if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in shape):
+            raise PlacementError(f"--spec: {what}: the shape must be positive ints, got {list(shape)!r}")
+        return name, (tuple(shape), dtype)
 
     if text.startswith("{"):
-        data = json.loads(text)
-        return {name: struct(shape, dtype) for name, (shape, dtype) in data.items()}
+        try:
+            data = json.loads(text)
+            return dict(leaf(name, list(shape), dtype, f"leaf {name!r}") for name, (shape, dtype) in data.items())
+        except (ValueError, TypeError, AttributeError) as exc:
+            raise PlacementError(f'--spec: expected a JSON object {{"name": [[shape...], "dtype"], ...}}: '
+                                 f"{exc}") from None
     leaves = {}
     for item in text.split(","):
         fields = item.strip().split(":")
         if len(fields) not in (2, 3) or not fields[0]:
-            raise PlacementError(f"--spec: expected name:dtype[:shape] (e.g. obs:uint8:84x84x4), got {item!r}")
-        shape = [int(x) for x in fields[2].split("x")] if len(fields) == 3 and fields[2] else []
-        leaves[fields[0]] = struct(shape, fields[1])
+            raise PlacementError(f"--spec: expected name:dtype[:shape] (e.g. obs:uint8:84x84x4), a byte count or a "
+                                 f"JSON object, got {item.strip()!r}")
+        dims = fields[2].split("x") if len(fields) == 3 and fields[2] else []
+        if not all(d.isdigit() for d in dims):
+            raise PlacementError(f"--spec: leaf {fields[0]!r}: expected a shape like 84x84x4 (positive ints joined "
+                                 f"by x), got {fields[2]!r}")
+        name, value = leaf(fields[0], [int(d) for d in dims], fields[1], f"leaf {fields[0]!r}")
+        leaves[name] = value
     return leaves
+
+
+def _spec_argument(text: str) -> str:
+    """argparse ``type`` of ``--spec``: checked at parse time (one line naming the flag), kept as text."""
+    try:
+        spec_fields(text)
+    except PlacementError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("--spec: ")) from None
+    return text
 
 
 def _size(text: str) -> int:
@@ -736,7 +771,7 @@ def build_parser(parser: Optional[argparse.ArgumentParser] = None) -> argparse.A
                         help="a preset (emulated_cpu[:DEVICES], h200, dgx_h100, pcie_8gpu, "
                              "cluster[:NODES[:NODE_PRESET[:GBPS]]]), 'detect' (default: this machine), or a "
                              "topology JSON file")
-    parser.add_argument("--spec", required=True,
+    parser.add_argument("--spec", required=True, type=_spec_argument,
                         help="item bytes (400), name:dtype[:shape],... (obs:uint8:84x84x4,act:int32), a JSON object "
                              "or @file.json")
     parser.add_argument("--capacity", type=int, required=True, help="items the plane holds")
