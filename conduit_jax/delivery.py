@@ -50,8 +50,10 @@ class DeliveryWorker:
     returns None or ``inside``, which runs under the lock. Then the worker polls again.
     """
 
-    def __init__(self, lock: threading.Condition, poll: Callable[[], Optional[Callable]], name: str):
-        self._lock, self._poll = lock, poll
+    def __init__(self, lock, poll: Callable[[], Optional[Callable]], name: str):
+        # its own condition over the plane's lock: the plane's notifications (every ingest and sample) do not wake
+        # the thread, only a kick does (on a 2-core host each needless wake-up took the GIL from the learner's thread)
+        self._lock, self._poll = threading.Condition(lock), poll
         self._kicked = False  # work may be possible: poll again
         self._busy = False  # between a kick and the poll that finds nothing to do
         self._closed = False
@@ -212,7 +214,7 @@ class Scheduler:
     kernel, ``refresh(delivery)`` re-checks a delivery's staleness mask against the current policy version.
     """
 
-    def __init__(self, schedule, lock: threading.Condition, capacity: int, *, draw, admits, pend, refresh):
+    def __init__(self, schedule, lock: threading.RLock, capacity: int, *, draw, admits, pend, refresh):
         self.schedule, self.lock = schedule, lock
         self._draw, self._admits, self._pend, self._refresh = draw, admits, pend, refresh
         self.in_flight: collections.deque = collections.deque()  # Prefetched, oldest first
@@ -227,8 +229,9 @@ class Scheduler:
 
     # -- the plane's hooks ----------------------------------------------------------------------------------------
     def kick(self) -> None:
-        """Something changed (an ingest, a version switch, a new state): the worker looks for work."""
-        if self.worker is not None:
+        """Something changed (an ingest, a version switch, a new state): the worker looks for work, if it may find
+        some (a batch to draw: with all ``depth`` in flight there is none, and waking it would only take the GIL)."""
+        if self.worker is not None and len(self.in_flight) < self.depth:
             self.worker.kick()
 
     def settle(self) -> None:

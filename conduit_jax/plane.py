@@ -73,7 +73,8 @@ class ExperienceDataPlane:
         if state is not None:
             self.engine.state = state
         self.timeline = metrics.Timeline()  # wall-clock spans per stage (see metrics.py)
-        self._changed = threading.Condition()  # guards state; notified after every ingest and sample
+        self._lock = threading.RLock()  # guards state; held by every call and by the delivery worker's draws
+        self._changed = threading.Condition(self._lock)  # notified after every ingest and sample
         # checked priority updates not yet in the state: the next sample applies them in its own kernel call (one
         # dispatch for both); anything else that reads the state applies them first (_flush_updates). A deque:
         # update_priorities appends without the lock (it never waits for a draw of the delivery worker)
@@ -81,7 +82,7 @@ class ExperienceDataPlane:
         self._update_rows = 0  # rows of the packed updates the kernels were last given (see _take_pending_updates)
         # the schedule's host side (batches in flight, deferred updates, the delivery worker); it reaches the plane
         # through weak references, so an unclosed plane is freed as usual and its worker stops
-        self._schedule = Scheduler(self.schedule, self._changed, self.capacity, draw=_weakly(self, "sample"),
+        self._schedule = Scheduler(self.schedule, self._lock, self.capacity, draw=_weakly(self, "sample"),
                                    admits=_weakly(self, "can_sample"), pend=self._pending_updates.append,
                                    refresh=_weakly(self, "_refreshed"))
         weakref.finalize(self, self._schedule.close)
