@@ -57,27 +57,38 @@ def _positive_int(text: str) -> int:
 
 
 def _demo_arguments(parser: argparse.ArgumentParser) -> None:
-    from conduit_jax.demo import (  # imports jax, but starts no backend
-        SAMPLERS,
-        DemoConfig,
-    )
+    from conduit_jax.demo import SAMPLERS, SCHEDULES, DemoConfig  # no JAX: --help stays fast
 
     d = DemoConfig()
     parser.add_argument("--iterations", type=_positive_int, default=d.iterations,
-                        help=f"actor -> ingest -> sample -> learner iterations (default {d.iterations})")
+                        help=f"actor -> ingest -> deliver -> learner iterations per schedule (default {d.iterations})")
+    parser.add_argument("--schedule", choices=SCHEDULES, default=d.schedule,
+                        help=f"the prefetching schedule run beside sync on the same workload; 'sync' runs sync only "
+                             f"(default {d.schedule})")
+    parser.add_argument("--depth", type=_positive_int, default=d.depth,
+                        help=f"batches the schedule keeps in flight (default {d.depth})")
+    parser.add_argument("--rounds", type=_positive_int, default=d.rounds,
+                        help=f"interleaved rounds of the two runs (default {d.rounds})")
     parser.add_argument("--devices", type=_positive_int, default=None,
-                        help=f"devices the plane shards over (default: all; on CPU {DEFAULT_HOST_DEVICES} emulated "
-                             f"unless XLA_FLAGS or JAX_NUM_CPU_DEVICES sets a count)")
+                        help=f"shard the plane over the first N devices instead of the planner's placement for this "
+                             f"host (on CPU there are {DEFAULT_HOST_DEVICES} emulated devices unless XLA_FLAGS or "
+                             f"JAX_NUM_CPU_DEVICES sets a count)")
     parser.add_argument("--batch-size", type=_positive_int, default=d.batch_size,
-                        help=f"items per delivered batch, a multiple of the devices (default {d.batch_size})")
+                        help=f"items per delivered batch, a multiple of the shards (default {d.batch_size})")
     parser.add_argument("--capacity", type=_positive_int, default=d.capacity,
-                        help=f"items the plane holds, a multiple of the devices (default {d.capacity})")
+                        help=f"items the plane holds, a multiple of the shards (default {d.capacity})")
     parser.add_argument("--actors", type=_positive_int, default=d.num_actors,
                         help=f"actors, one ingest call each per iteration (default {d.num_actors})")
     parser.add_argument("--envs-per-actor", type=_positive_int, default=d.envs_per_actor,
                         help=f"vectorized envs per actor: items per ingest call (default {d.envs_per_actor})")
+    parser.add_argument("--hidden", type=_positive_int, default=d.hidden,
+                        help=f"width of the Q-network's two hidden layers (default {d.hidden})")
     parser.add_argument("--sampler", choices=SAMPLERS, default=d.sampler, help=f"default {d.sampler}")
     parser.add_argument("--seed", type=int, default=d.seed, help=f"default {d.seed}")
+    parser.add_argument("--trace", metavar="FILE", default=None,
+                        help="write a Chrome/Perfetto trace of both runs (open in ui.perfetto.dev)")
+    parser.add_argument("--plot", metavar="FILE", default=None,
+                        help="write a PNG of where each run's iteration time goes (needs matplotlib)")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON instead of the report")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -86,12 +97,19 @@ def _run_demo(args: argparse.Namespace) -> int:
     warning = configure_devices(max(DEFAULT_HOST_DEVICES, args.devices or 0))
     if warning:
         print(f"conduit demo: warning: {warning}", file=sys.stderr)
+    from conduit_jax import runtime
     from conduit_jax.demo import DemoConfig, format_summary, run_demo
     from conduit_jax.errors import ConduitError
 
-    config = DemoConfig(iterations=args.iterations, devices=args.devices, batch_size=args.batch_size,
-                        capacity=args.capacity, num_actors=args.actors, envs_per_actor=args.envs_per_actor,
-                        sampler=args.sampler, seed=args.seed, progress=not args.no_progress)
+    if not runtime.backend_started():
+        # one XLA:CPU pool thread (replay-sized kernels), async dispatch on (prefetched batches compute off the
+        # learner's thread); both are fixed once the backend starts, so this comes before anything touches JAX
+        runtime.configure_cpu(intra_op_threads=1, async_dispatch=True)
+    config = DemoConfig(iterations=args.iterations, schedule=args.schedule, depth=args.depth, rounds=args.rounds,
+                        devices=args.devices, batch_size=args.batch_size, capacity=args.capacity,
+                        num_actors=args.actors, envs_per_actor=args.envs_per_actor, hidden=args.hidden,
+                        sampler=args.sampler, seed=args.seed, trace=args.trace, plot=args.plot,
+                        progress=not args.no_progress)
     try:
         summary = run_demo(config)
     except ConduitError as exc:
@@ -440,10 +458,17 @@ COMMANDS: tuple[Command, ...] = (
 # ------------------------------------------------------------------------------------------------------------------
 # entry point
 # ------------------------------------------------------------------------------------------------------------------
+class _Parser(argparse.ArgumentParser):
+    """An argument error is one line naming the flag, and where to look for the usage (not the usage itself)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from conduit_jax import __version__
 
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="conduit", description="Conduit-JAX: the RL experience path as an explicit data plane on JAX.")
     parser.add_argument("--version", action="version", version=f"conduit-jax {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)

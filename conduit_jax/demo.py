@@ -1,17 +1,23 @@
-"""The `conduit demo`: synthetic actors -> ``plane.ingest`` -> ``plane.sample`` -> a jitted DQN learner step.
+"""The `conduit demo`: synthetic actors -> ``plane.ingest`` -> ``plane.deliver`` -> a jitted DQN learner step, run
+under ``sync`` and under a prefetching schedule side by side, so the report shows what the schedule hides.
 
 It shows one experience path end to end, the way a user wires it:
   * actors: a few NumPy vector environments, each stepped with a random behaviour policy (DQN is off-policy), each
     sending its batch of transitions ``{obs, action, reward, done, next_obs}`` to the plane as one ``ingest`` call;
-  * the plane: an ``ExperienceDataPlane`` sharded over the local devices (8 emulated CPU devices under ``conduit demo``);
+  * placement: by default the planner's plan for the detected host (``placement.plan(spec, capacity,
+    Topology.detect(), workload)``); with ``devices=N`` the plane shards over N devices instead;
+  * the plane: an ``ExperienceDataPlane`` under ``sync`` and, on an identical copy of the workload, under
+    ``schedule`` (``overlap`` by default), whose delivery worker draws the next batch while the learner computes;
   * the learner: a small Q-network (flax) trained with a TD(0) update (optax), jitted, data-parallel over the plane's
-    mesh: it consumes ``delivery.data`` exactly as the plane hands it over, sharded on the batch axis.
+    mesh: it consumes ``delivery.data`` exactly as the plane hands it over.
 
-Every stage is timed with ``time.perf_counter`` and blocked with ``jax.block_until_ready`` so each number is that
-stage's own latency. The stages therefore run one after another (the synchronous baseline); the latency-aware scheduler
-that overlaps delivery with the learner step is not built yet. The first call of each stage compiles and is reported
-apart from the steady state.
+Both runs execute the same loop in the same process, in interleaved rounds (sync, scheduled, sync, ...), so drift of
+the machine hits both alike. Per iteration the loop times, with ``time.perf_counter`` from the learner's thread:
+actors, ingest (the ``ingest`` calls), deliver (``plane.deliver()`` plus waiting for the batch to be computed: the
+exposed experience-path latency) and learner (the jitted step, until its loss is on the host). Nothing else blocks,
+so what a schedule overlaps really overlaps. Iterations that compile are reported apart.
 
+The module imports JAX only inside ``run_demo``: ``conduit --help`` reads ``DemoConfig`` without starting JAX.
 ``run_demo(config) -> dict`` does the work and returns a JSON-friendly summary; ``format_summary`` renders it.
 """
 
@@ -21,56 +27,64 @@ import dataclasses
 import time
 from typing import Any, NamedTuple, Optional
 
-import flax.linen as nn
-import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
-from conduit_jax import samplers
 from conduit_jax.errors import ConfigError
-from conduit_jax.plane import ExperienceDataPlane
-from conduit_jax.replay import default_mesh
-from conduit_jax.spec import ExperienceSpec
 
 SAMPLERS = ("uniform", "fifo", "epochs")
-STAGES = ("actors", "ingest", "sample", "learner")
+SCHEDULES = ("overlap", "deferred", "adaptive", "sync")  # the scheduled run compared with sync ("sync": sync only)
+STAGES = ("actors", "ingest", "deliver", "learner")
 
 
 @dataclasses.dataclass(frozen=True)
 class DemoConfig:
-    iterations: int = 300
+    iterations: int = 600  # per schedule
     num_actors: int = 4
     envs_per_actor: int = 32  # each actor ingests this many transitions per iteration
     obs_dim: int = 8  # LunarLander-sized observations
     num_actions: int = 4
-    batch_size: int = 128  # a multiple of the device count: the batch is delivered sharded
-    capacity: int = 16384  # a multiple of the device count; below iterations * items_per_iteration so the ring wraps
+    batch_size: int = 128  # a multiple of the plane's shards: the batch is delivered sharded
+    capacity: int = 16384  # a multiple of the plane's shards; below the items ingested in a run, so the ring wraps
     sampler: str = "uniform"  # uniform | fifo | epochs
-    devices: Optional[int] = None  # devices the plane shards over; None: every local device
+    schedule: str = "overlap"  # the prefetching schedule run beside sync (overlap | deferred | adaptive), or sync
+    depth: int = 2  # batches the prefetching schedule keeps in flight
+    devices: Optional[int] = None  # None: the planner's placement for this host; N: shard over the first N devices
+    rounds: int = 3  # interleaved rounds: each run does iterations / rounds per round
+    warmup: int = 10  # iterations per run left out of the latency table (the first compile; caches settle)
     seed: int = 0
     learning_rate: float = 1e-3
     gamma: float = 0.99
-    hidden: int = 64
+    hidden: int = 256
     target_update_period: int = 50  # learner steps between target-network copies
-    progress: bool = True  # a tqdm progress bar on stderr
+    trace: Optional[str] = None  # write a Chrome/Perfetto trace of both runs here (JSON)
+    plot: Optional[str] = None  # write a PNG of the per-stage times of both runs here (needs matplotlib)
+    progress: bool = True  # a tqdm progress bar on stderr, cleared before the report is printed
 
     @property
     def items_per_iteration(self) -> int:
         return self.num_actors * self.envs_per_actor
 
+    @property
+    def schedules(self) -> tuple[str, ...]:
+        return ("sync",) if self.schedule == "sync" else ("sync", self.schedule)
+
 
 def check_config(config: DemoConfig) -> None:
     """Host-side checks with the bad value and a fix in the message (the plane checks capacity and batch itself)."""
     for name in ("iterations", "num_actors", "envs_per_actor", "obs_dim", "num_actions", "batch_size", "capacity",
-                 "hidden", "target_update_period"):
+                 "hidden", "target_update_period", "depth", "rounds"):
         value = getattr(config, name)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ConfigError(f"demo: {name} must be a positive int, got {value!r}")
+    if not isinstance(config.warmup, int) or isinstance(config.warmup, bool) or config.warmup < 0:
+        raise ConfigError(f"demo: warmup must be an int >= 0, got {config.warmup!r}")
     if config.sampler not in SAMPLERS:
         raise ConfigError(f"demo: sampler must be one of {', '.join(SAMPLERS)}, got {config.sampler!r}")
+    if config.schedule not in SCHEDULES:
+        raise ConfigError(f"demo: schedule must be one of {', '.join(SCHEDULES)}, got {config.schedule!r}")
+    if config.rounds > config.iterations:
+        raise ConfigError(f"demo: rounds ({config.rounds}) cannot exceed iterations ({config.iterations}): each "
+                          f"round runs iterations / rounds of each schedule")
     if config.sampler == "fifo" and config.items_per_iteration > config.batch_size:
         raise ConfigError(
             f"demo: the fifo queue delivers each item once, one batch of {config.batch_size} per iteration, but the "
@@ -78,6 +92,12 @@ def check_config(config: DemoConfig) -> None:
             f"refuse; use --batch-size {config.items_per_iteration} (or fewer actors/envs)")
     if not 0.0 <= config.gamma <= 1.0:
         raise ConfigError(f"demo: gamma must be in [0, 1], got {config.gamma!r}")
+    if config.plot is not None:
+        import importlib.util
+
+        if importlib.util.find_spec("matplotlib") is None:
+            raise ConfigError("demo: plot needs matplotlib, which is not installed; pip install matplotlib (or "
+                              "drop --plot)")
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -130,26 +150,30 @@ def example_transition(obs_dim: int):
 # ------------------------------------------------------------------------------------------------------------------
 # Learner: DQN's TD(0) update on a small Q-network, pure and jitted
 # ------------------------------------------------------------------------------------------------------------------
-class QNetwork(nn.Module):
-    num_actions: int
-    hidden: int
-
-    @nn.compact
-    def __call__(self, obs):
-        x = nn.relu(nn.Dense(self.hidden)(obs))
-        x = nn.relu(nn.Dense(self.hidden)(x))
-        return nn.Dense(self.num_actions)(x)
-
-
 class LearnerState(NamedTuple):
     params: Any
     target_params: Any
     opt_state: Any
-    step: jax.Array  # int32[]
+    step: Any  # int32[]
 
 
 def make_learner(config: DemoConfig):
     """(init(rng) -> LearnerState, step(state, batch) -> (state, metrics)), both pure."""
+    import flax.linen as nn
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    class QNetwork(nn.Module):
+        num_actions: int
+        hidden: int
+
+        @nn.compact
+        def __call__(self, obs):
+            x = nn.relu(nn.Dense(self.hidden)(obs))
+            x = nn.relu(nn.Dense(self.hidden)(x))
+            return nn.Dense(self.num_actions)(x)
+
     network = QNetwork(config.num_actions, config.hidden)
     optimizer = optax.chain(optax.clip_by_global_norm(10.0), optax.adam(config.learning_rate))
 
@@ -158,7 +182,7 @@ def make_learner(config: DemoConfig):
         target_params = jax.tree_util.tree_map(jnp.copy, params)  # own buffers: the step donates both
         return LearnerState(params, target_params, optimizer.init(params), jnp.zeros((), jnp.int32))
 
-    def step(state: LearnerState, batch) -> tuple[LearnerState, dict[str, jax.Array]]:
+    def step(state: LearnerState, batch):
         q_next = network.apply(state.target_params, batch["next_obs"]).max(axis=-1)
         not_done = 1.0 - batch["done"].astype(jnp.float32)
         target = jax.lax.stop_gradient(batch["reward"] + config.gamma * not_done * q_next)
@@ -178,178 +202,288 @@ def make_learner(config: DemoConfig):
     return init, step
 
 
-def make_sampler(name: str, batch_size: int) -> samplers.Sampler:
+def make_sampler(name: str, batch_size: int):
+    from conduit_jax import samplers
+
     return {"uniform": samplers.uniform, "fifo": samplers.fifo, "epochs": samplers.epochs}[name](batch_size)
+
+
+def make_schedule(name: str, depth: int):
+    from conduit_jax import schedule
+
+    return {"sync": schedule.sync, "overlap": lambda: schedule.overlap(depth),
+            "deferred": lambda: schedule.deferred(2, depth), "adaptive": lambda: schedule.adaptive(depth)}[name]()
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Placement: the planner's plan for this host, or N devices
+# ------------------------------------------------------------------------------------------------------------------
+def choose_placement(config: DemoConfig, spec) -> tuple[dict[str, Any], Any]:
+    """``(what was chosen, {'mesh': ...} or {'plan': ...})``: the keyword the plane takes. The planner sees the
+    demo's workload: its batch, sampler, and the actors' items per learner step (at a nominal 1 ms step)."""
+    import jax
+
+    from conduit_jax import placement
+    from conduit_jax.replay import default_mesh
+
+    if config.devices is not None:
+        mesh = default_mesh(config.devices)
+        return {"source": "--devices", "devices": int(mesh.devices.size), "storage": "device",
+                "why": f"sharded over the first {config.devices} devices, as asked"}, {"mesh": mesh}
+    step_time = 1e-3
+    work = placement.Workload(batch_size=config.batch_size, sampler=config.sampler,
+                              ingest_rate=config.items_per_iteration / step_time, step_time=step_time,
+                              learner_devices=tuple(d.id for d in jax.devices()))
+    topology = placement.Topology.detect()
+    plan = placement.plan(spec, config.capacity, topology, work)
+    why = {decision: reason for decision, _, reason in plan.reasons}
+    return {"source": "planner", "devices": plan.num_shards, "storage": plan.memory["storage"],
+            "topology": plan.topology, "why": why.get("devices") or why.get("mesh") or ""}, {"plan": plan}
 
 
 # ------------------------------------------------------------------------------------------------------------------
 # The loop
 # ------------------------------------------------------------------------------------------------------------------
+class _Run:
+    """One schedule's copy of the workload: its plane, actors and learner, advanced a round at a time."""
+
+    def __init__(self, config: DemoConfig, schedule_name: str, spec, where: dict[str, Any]):
+        import jax
+        from jax.sharding import NamedSharding
+        from jax.sharding import PartitionSpec as P
+
+        from conduit_jax.plane import ExperienceDataPlane
+
+        self.config, self.name, self._jax = config, schedule_name, jax
+        self.plane = ExperienceDataPlane(spec, config.capacity, make_sampler(config.sampler, config.batch_size),
+                                         schedule=make_schedule(schedule_name, config.depth), seed=config.seed,
+                                         **where)
+        self.env_params = make_env(config.obs_dim, config.num_actions, config.seed)
+        self.rngs = [np.random.default_rng([config.seed, actor]) for actor in range(config.num_actors)]
+        self.env_states = [env_reset(self.env_params, config.envs_per_actor, rng) for rng in self.rngs]
+        learner_init, learner_step = make_learner(config)
+        replicated = NamedSharding(self.plane.mesh, P())  # params on every shard's device; the batch stays sharded
+        self.learner_state = jax.jit(learner_init, out_shardings=replicated)(jax.random.key(config.seed))
+        self.learner_step = jax.jit(learner_step, donate_argnums=(0,))
+        self.rows: list[dict[str, float]] = []  # per iteration that delivered: stage -> seconds
+        self.first_call_s: dict[str, float] = {}
+        self.losses: list[float] = []
+        self.items_in = self.ingest_calls = self.batches = self.episodes_ended = 0
+        self._previous = None  # the last delivery, recycled once the learner is done with it
+
+    def iterate(self) -> None:
+        from conduit_jax.errors import NotEnoughDataError, RateLimitedError
+
+        config, plane, timeline = self.config, self.plane, self.plane.timeline
+        t0 = time.perf_counter()
+        outgoing = []
+        for actor, rng in enumerate(self.rngs):
+            action = rng.integers(0, config.num_actions, config.envs_per_actor)
+            self.env_states[actor], transitions = env_step(self.env_params, self.env_states[actor], action, rng)
+            outgoing.append(transitions)
+        t1 = time.perf_counter()
+        for transitions in outgoing:
+            plane.ingest(transitions)
+        t2 = time.perf_counter()
+        for transitions in outgoing:
+            self.items_in += len(transitions["done"])
+            self.episodes_ended += int(transitions["done"].sum())
+        self.ingest_calls += len(outgoing)
+        try:
+            delivery = plane.deliver(recycle=self._previous)
+        except (NotEnoughDataError, RateLimitedError):  # the ring is still filling
+            delivery = None
+        if delivery is not None:
+            self._jax.block_until_ready(delivery.data)
+        t3 = time.perf_counter()
+        if delivery is None:
+            timeline.record("actors", t0, t1)
+            return
+        self.learner_state, metrics = self.learner_step(self.learner_state, delivery.data)
+        loss = float(metrics["loss"])  # blocks on the step, as a learner reading its loss does
+        t4 = time.perf_counter()
+        self._previous = delivery
+        self.batches += 1
+        self.losses.append(loss)
+        timeline.record("actors", t0, t1)
+        timeline.record("learner step", t3, t4)
+        row = {"actors": t1 - t0, "ingest": t2 - t1, "deliver": t3 - t2, "learner": t4 - t3, "iteration": t4 - t0}
+        if not self.first_call_s:
+            self.first_call_s = {stage: row[stage] for stage in STAGES}
+        self.rows.append(row)
+
+    def summary(self) -> dict[str, Any]:
+        self.plane.close()
+        stats = self.plane.stats()
+        steady = self.rows[1 + self.config.warmup:] or self.rows[1:]
+        return {
+            "schedule": self.name,
+            "items_in": self.items_in,
+            "ingest_calls": self.ingest_calls,
+            "episodes_ended": self.episodes_ended,
+            "batches_delivered": self.batches,
+            "items_delivered": self.batches * self.config.batch_size,
+            "items_stored": stats["size"],
+            "items_overwritten": stats["items_overwritten"],
+            "plane_stats": stats,
+            "learner_steps": len(self.losses),
+            "loss_first": self.losses[0] if self.losses else None,
+            "loss_last": float(np.mean(self.losses[-10:])) if self.losses else None,
+            "first_call_s": self.first_call_s,
+            "latency_us": latency_table(steady),
+            "steady_iterations": len(steady),
+        }
+
+
 def run_demo(config: DemoConfig = DemoConfig()) -> dict[str, Any]:
-    """Run the demo and return its summary (counts, plane stats, per-stage latency, learner loss)."""
+    """Run the workload under ``sync`` and under ``config.schedule`` in interleaved rounds and return the summary:
+    the placement chosen, per run its counts, plane stats and per-stage latency, and the cut the schedule made."""
     check_config(config)
     start = time.perf_counter()
-    mesh = default_mesh(config.devices)
+    from conduit_jax.spec import ExperienceSpec
+
     spec = ExperienceSpec.from_example(example_transition(config.obs_dim))
-    plane = ExperienceDataPlane(spec, config.capacity, make_sampler(config.sampler, config.batch_size), mesh=mesh,
-                                seed=config.seed)
-
-    env_params = make_env(config.obs_dim, config.num_actions, config.seed)
-    rngs = [np.random.default_rng([config.seed, actor]) for actor in range(config.num_actors)]
-    env_states = [env_reset(env_params, config.envs_per_actor, rng) for rng in rngs]
-
-    learner_init, learner_step = make_learner(config)
-    replicated = NamedSharding(mesh, P())  # params on every device; the batch stays sharded: data-parallel learner
-    learner_state = jax.jit(learner_init, out_shardings=replicated)(jax.random.key(config.seed))
-    learner_step = jax.jit(learner_step, donate_argnums=(0,))
-
-    times: dict[str, list[float]] = {stage: [] for stage in STAGES}
-    warm_rows = []  # warm rows: iterations where no stage ran for the first time (compiled)
-    losses, q_means = [], []
-    items_in = ingest_calls = batches = episodes_ended = 0
-
+    chosen, where = choose_placement(config, spec)
+    runs = [_Run(config, name, spec, where) for name in config.schedules]
     progress = None
     if config.progress:
         from tqdm.auto import tqdm
-        progress = tqdm(total=config.iterations, desc=f"conduit demo ({plane.num_shards} shards)", unit="it",
-                        leave=False)
-    for iteration in range(config.iterations):
-        first_calls = {stage: not times[stage] for stage in STAGES}
-        row = dict.fromkeys(STAGES, 0.0)
 
-        t0 = time.perf_counter()
-        outgoing = []
-        for actor, rng in enumerate(rngs):
-            action = rng.integers(0, config.num_actions, config.envs_per_actor)
-            env_states[actor], transitions = env_step(env_params, env_states[actor], action, rng)
-            outgoing.append(transitions)
-        row["actors"] = time.perf_counter() - t0
-
-        t0 = time.perf_counter()
-        for transitions in outgoing:
-            plane.ingest(transitions)
-        plane.block_until_ready()
-        row["ingest"] = time.perf_counter() - t0
-        for transitions in outgoing:
-            items_in += len(transitions["done"])
-            episodes_ended += int(transitions["done"].sum())
-        ingest_calls += len(outgoing)
-
-        t0 = time.perf_counter()
-        delivery = plane.sample() if plane.can_sample() else None
-        if delivery is not None:
-            jax.block_until_ready(delivery.data)
-        row["sample"] = time.perf_counter() - t0
-
-        if delivery is not None:
-            batches += 1
-            t0 = time.perf_counter()
-            learner_state, metrics = learner_step(learner_state, delivery.data)
-            metrics = jax.device_get(metrics)  # blocks on the step
-            row["learner"] = time.perf_counter() - t0
-            losses.append(float(metrics["loss"]))
-            q_means.append(float(metrics["q_mean"]))
-
-        ran = {"actors": True, "ingest": True, "sample": True, "learner": delivery is not None}
-        for stage in STAGES:
-            if ran[stage]:
-                times[stage].append(row[stage])
-        total = sum(row.values())
-        if not any(first_calls[s] and ran[s] for s in STAGES) and ran["learner"]:
-            warm_rows.append(row | {"iteration": total})
+        progress = tqdm(total=config.iterations * len(runs), unit="it", leave=False,
+                        desc=f"conduit demo ({' vs '.join(config.schedules)})")
+    try:
+        done = 0
+        for round_ in range(config.rounds):
+            until = config.iterations * (round_ + 1) // config.rounds
+            for run in runs:
+                for _ in range(until - done):
+                    run.iterate()
+                if progress is not None:
+                    progress.update(until - done)
+                    if run.losses:
+                        progress.set_postfix(loss=f"{run.losses[-1]:.4f}", refresh=False)
+            done = until
+    finally:
         if progress is not None:
-            progress.update(1)
-            if losses and iteration % 25 == 0:
-                progress.set_postfix(loss=f"{losses[-1]:.4f}", refresh=False)
-    if progress is not None:
-        progress.close()
-
-    stats = plane.stats()
-    return {
+            progress.close()  # leave=False: the bar's line is cleared, the report starts on a clean line
+        for run in runs:
+            run.plane.close()
+    mesh = runs[0].plane.mesh
+    summary = {
         "config": dataclasses.asdict(config),
         "platform": mesh.devices.flat[0].platform,
         "num_devices": int(mesh.devices.size),
+        "placement": chosen,
         "spec": str(spec),
         "items_per_iteration": config.items_per_iteration,
-        "items_in": items_in,
-        "ingest_calls": ingest_calls,
-        "episodes_ended": episodes_ended,
-        "batches_delivered": batches,
-        "items_delivered": batches * config.batch_size,
-        "items_stored": stats["size"],
-        "items_overwritten": stats["items_overwritten"],
-        "plane_stats": stats,
-        "learner_steps": len(losses),
-        "loss_first": losses[0] if losses else None,
-        "loss_last": float(np.mean(losses[-10:])) if losses else None,
-        "q_mean_last": q_means[-1] if q_means else None,
-        "first_call_s": {stage: times[stage][0] for stage in STAGES if times[stage]},
-        "latency_us": latency_table(warm_rows),
-        "experience_path_share": experience_path_share(warm_rows),
-        "steady_iterations": len(warm_rows),
-        "wall_s": time.perf_counter() - start,
+        "runs": {run.name: run.summary() for run in runs},
     }
+    summary["cut"] = schedule_cut(summary["runs"])
+    if config.trace is not None:
+        write_trace(config.trace, runs)
+    if config.plot is not None:
+        write_plot(config.plot, summary)
+    summary["wall_s"] = time.perf_counter() - start
+    return summary
 
 
 def latency_table(rows: list[dict[str, float]]) -> dict[str, dict[str, float]]:
-    """Median and p99 per stage, in microseconds, over the steady-state iterations."""
+    """Median, p99 and mean per stage, in microseconds, over the steady-state iterations."""
     if not rows:
         return {}
     out = {}
     for stage in (*STAGES, "iteration"):
         us = np.asarray([row[stage] for row in rows]) * 1e6
-        out[stage] = {"median": float(np.median(us)), "p99": float(np.percentile(us, 99))}
+        out[stage] = {"median": float(np.median(us)), "p99": float(np.percentile(us, 99)), "mean": float(us.mean())}
     return out
 
 
-def experience_path_share(rows: list[dict[str, float]]) -> Optional[float]:
-    """Time in ingest + sample over the whole iteration (actors + ingest + sample + learner), summed over the steady
-    iterations: the part of each iteration the experience path holds the learner up for, when nothing overlaps."""
-    total = sum(row["iteration"] for row in rows)
-    if not rows or total <= 0:
+def schedule_cut(runs: dict[str, dict[str, Any]]) -> Optional[dict[str, float]]:
+    """What the scheduled run saved against sync, from mean times per iteration: the fraction of sync's exposed
+    deliver time removed, and the iteration time saved in units of sync's exposed time (1.0: all of it came off the
+    iteration). None with one run."""
+    if len(runs) < 2:
         return None
-    return sum(row["ingest"] + row["sample"] for row in rows) / total
+    sync, scheduled = (runs[name]["latency_us"] for name in runs)
+    if not sync or not scheduled or sync["deliver"]["mean"] <= 0:
+        return None
+    exposed = sync["deliver"]["mean"]
+    return {"exposed": 1.0 - scheduled["deliver"]["mean"] / exposed,
+            "iteration": (sync["iteration"]["mean"] - scheduled["iteration"]["mean"]) / exposed}
+
+
+def write_trace(path: str, runs: list[_Run]) -> None:
+    """Both runs' timelines in one Chrome/Perfetto trace (ui.perfetto.dev): one process per schedule, one track per
+    thread (the learner's, and the delivery worker's under a prefetching schedule)."""
+    import json
+
+    events = []
+    for pid, run in enumerate(runs):
+        events.append({"name": "process_name", "ph": "M", "pid": pid, "args": {"name": f"schedule {run.name}"}})
+        events += [event | {"pid": pid} for event in run.plane.timeline.chrome_trace()["traceEvents"]]
+    with open(path, "w") as f:
+        json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
+
+
+def write_plot(path: str, summary: dict[str, Any]) -> None:
+    """A PNG: mean time per iteration of each stage, stacked, one bar per schedule."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(summary["runs"])
+    fig, ax = plt.subplots(figsize=(6, 3.2))
+    left = np.zeros(len(names))
+    for stage in STAGES:
+        means = np.array([summary["runs"][name]["latency_us"].get(stage, {}).get("mean", 0.0) for name in names])
+        ax.barh(names, means, left=left, label=stage)
+        left += means
+    ax.set_xlabel("mean time per iteration (us)")
+    ax.set_title("conduit demo: where an iteration's time goes")
+    ax.legend(ncol=4, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.25))
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def format_summary(summary: dict[str, Any]) -> str:
-    """The summary as a short report for a terminal."""
-    c = summary["config"]
+    """The summary as a short report for a terminal: the placement, one block per run, and the cut."""
+    c, where = summary["config"], summary["placement"]
     lines = [
-        f"Conduit-JAX demo: {c['iterations']} iterations, {summary['num_devices']} {summary['platform']} devices, "
+        f"Conduit-JAX demo: {c['iterations']} iterations per schedule in {c['rounds']} interleaved rounds, "
         f"sampler {c['sampler']}(batch_size={c['batch_size']}), capacity {c['capacity']}",
+        f"  placement       {where['source']}: {summary['num_devices']} {summary['platform']} "
+        f"device{'s' if summary['num_devices'] > 1 else ''}, storage in {where['storage']} memory"
+        + (f" ({where['why']})" if where.get("why") else ""),
         f"  spec            {summary['spec']}",
-        f"  items in        {summary['items_in']:>10,}  ({summary['ingest_calls']} ingest calls: {c['num_actors']} "
-        f"actors x {c['envs_per_actor']} envs per iteration; {summary['episodes_ended']} episodes ended)",
-        f"  items delivered {summary['items_delivered']:>10,}  ({summary['batches_delivered']} batches x "
-        f"{c['batch_size']})",
-        f"  items stored    {summary['items_stored']:>10,}",
-        f"  overwritten     {summary['items_overwritten']:>10,}"
-        + ("  (slots reused after delivery: a queue never overwrites an undelivered item)"
-           if c["sampler"] == "fifo" and summary["items_overwritten"] else ""),
     ]
-    if summary["learner_steps"]:
-        lines.append(f"  learner         {summary['learner_steps']} DQN steps, TD loss {summary['loss_first']:.4f} -> "
-                     f"{summary['loss_last']:.4f} (mean of the last 10)")
-    lines.append("  plane.stats()   " + ", ".join(_stat(k, v) for k, v in summary["plane_stats"].items()))
-    first = summary["first_call_s"]
-    lines.append("  first call (compiles, not in the table): "
-                 + ", ".join(f"{stage} {seconds * 1e3:.0f} ms" for stage, seconds in first.items()))
-    table = summary["latency_us"]
-    if table:
-        lines.append(f"  latency per stage over {summary['steady_iterations']} steady iterations (us, each stage "
-                     f"blocked; stages run one after another):")
-        lines.append(f"    {'stage':<10} {'median':>10} {'p99':>10}")
-        notes = {"actors": f"{c['num_actors']} actors step their envs", "ingest": f"{c['num_actors']} ingest calls",
-                 "sample": "1 batch", "learner": "1 jitted DQN step", "iteration": "the four stages"}
-        for stage, row in table.items():
-            lines.append(f"    {stage:<10} {row['median']:>10.0f} {row['p99']:>10.0f}   {notes[stage]}")
-        lines.append(f"  experience path (ingest + sample) share of the iteration: "
-                     f"{100 * summary['experience_path_share']:.1f}%")
+    for name, run in summary["runs"].items():
+        lines += ["", f"  schedule {name}:",
+                  f"    items in {run['items_in']:,} ({run['ingest_calls']} ingest calls), delivered "
+                  f"{run['items_delivered']:,} ({run['batches_delivered']} batches), stored {run['items_stored']:,}, "
+                  f"overwritten {run['items_overwritten']:,}; {run['episodes_ended']} episodes ended"]
+        if run["learner_steps"]:
+            lines.append(f"    learner {run['learner_steps']} DQN steps, TD loss {run['loss_first']:.4f} -> "
+                         f"{run['loss_last']:.4f} (mean of the last 10)")
+        table = run["latency_us"]
+        if table:
+            lines.append(f"    {'stage':<10} {'median':>9} {'p99':>9} {'mean':>9}   (us, {run['steady_iterations']} "
+                         f"steady iterations)")
+            for stage, row in table.items():
+                note = "   exposed: the learner waits here" if stage == "deliver" else ""
+                lines.append(f"    {stage:<10} {row['median']:>9.0f} {row['p99']:>9.0f} {row['mean']:>9.0f}{note}")
+    cut = summary["cut"]
+    if cut is not None:
+        sync, scheduled = (summary["runs"][name]["latency_us"] for name in summary["runs"])
+        name = list(summary["runs"])[1]
+        lines += ["", f"  {name} against sync: exposed deliver latency {sync['deliver']['mean']:.0f} -> "
+                      f"{scheduled['deliver']['mean']:.0f} us ({100 * cut['exposed']:.1f}% cut); iteration "
+                      f"{sync['iteration']['mean']:.0f} -> {scheduled['iteration']['mean']:.0f} us "
+                      f"({100 * (scheduled['iteration']['mean'] / sync['iteration']['mean'] - 1):+.1f}%: "
+                      f"{cut['iteration']:.2f}x sync's exposed time saved)"]
+    for label, key in (("trace", "trace"), ("plot", "plot")):
+        if c[key]:
+            lines.append(f"  {label} written to {c[key]}")
     lines.append(f"  wall time {summary['wall_s']:.1f} s")
     return "\n".join(lines)
-
-
-def _stat(key: str, value) -> str:
-    if key.endswith("_s") and isinstance(value, float):
-        return f"{key[:-2]}_us={value * 1e6:.0f}"
-    return f"{key}={value}"

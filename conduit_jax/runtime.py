@@ -17,8 +17,8 @@ fixed cost. Two settings of the CPU client decide much of that cost, and both ar
 * **Async dispatch** (``jax_cpu_enable_async_dispatch``): off, each call runs in the calling thread instead of being
   queued; multi-kernel samplers ran 1.3-1.7x faster in single-stream loops here. Keep it on
   (``async_dispatch=True``) for the prefetching schedules (``schedule.overlap``/``deferred``/``adaptive``): with it
-  off a prefetched batch is computed inside the ``deliver()`` that dispatches it, so nothing hides behind the
-  learner's step (the plane warns, ``prefetch_is_synchronous``).
+  off the delivery worker computes each prefetched batch while holding the plane's lock, so the learner's next
+  call waits for it (the plane warns, ``prefetch_is_synchronous``).
 
 A third setting belongs to the C library, not to JAX, and can change at any time:
 
@@ -95,8 +95,9 @@ def configure_cpu(intra_op_threads: Optional[int] = 1, *, async_dispatch: bool =
         raise ConfigError(f"configure_cpu(): intra_op_threads must be an int >= 1 or None, got {intra_op_threads!r}")
     if backend_started():
         raise ConfigError("configure_cpu(): a JAX backend already runs in this process, so its thread pool and "
-                          "dispatch mode are fixed; call configure_cpu() before the first JAX computation (or "
-                          "jax.devices())")
+                          "dispatch mode are fixed; move the configure_cpu() call to the top of the program, right "
+                          "after the imports (importing jax or conduit_jax starts nothing) and before the first "
+                          "thing that computes: a jnp array, jax.devices(), make_buffer, ExperienceDataPlane")
     import jax
 
     malloc = retain_freed_memory() if keep_freed_memory else None

@@ -83,7 +83,7 @@ def warn_if_synchronous(schedule: Schedule, devices, stacklevel: int = 2) -> Non
     """ConduitWarning when ``schedule`` prefetches on devices that compute each dispatch before it returns."""
     if schedule.depth and runtime.prefetch_is_synchronous(devices):
         warnings.warn(f"ExperienceDataPlane(): schedule {schedule.name} prefetches, but JAX's CPU async dispatch is "
-                      f"off (jax_cpu_enable_async_dispatch=False; configure_cpu()'s default), so each prefetched "
-                      f"batch is computed inside the deliver() that dispatches it and nothing hides behind the "
-                      f"learner; use configure_cpu(async_dispatch=True) or schedule.sync()", ConduitWarning,
+                      f"off (jax_cpu_enable_async_dispatch=False; configure_cpu()'s default), so the delivery worker "
+                      f"computes each prefetched batch while it holds the plane's lock and the learner's next call "
+                      f"waits for it; use configure_cpu(async_dispatch=True) or schedule.sync()", ConduitWarning,
                       stacklevel=stacklevel + 1)

@@ -346,8 +346,8 @@ def test_the_error_buffer_the_message_asks_for_is_accepted():
 
 
 def test_prefetching_schedule_warns_when_cpu_dispatch_is_synchronous():
-    """configure_cpu()'s default (async dispatch off) runs each prefetched batch inside the deliver() that dispatches
-    it: the plane says so instead of silently hiding nothing."""
+    """configure_cpu()'s default (async dispatch off) makes the delivery worker compute each prefetched batch while
+    it holds the plane's lock, so the learner's next call waits for it: the plane says so instead of staying quiet."""
     import warnings
 
     import jax
