@@ -24,6 +24,7 @@ The module imports JAX only inside ``run_demo``: ``conduit --help`` reads ``Demo
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from typing import Any, NamedTuple, Optional
 
@@ -157,14 +158,13 @@ class LearnerState(NamedTuple):
     step: Any  # int32[]
 
 
-def make_learner(config: DemoConfig):
-    """(init(rng) -> LearnerState, step(state, batch) -> (state, metrics)), both pure."""
+@functools.cache
+def _q_network_class():
     import flax.linen as nn
-    import jax
-    import jax.numpy as jnp
-    import optax
 
     class QNetwork(nn.Module):
+        """Two ReLU layers of ``hidden`` units, one Q-value per action."""
+
         num_actions: int
         hidden: int
 
@@ -174,7 +174,24 @@ def make_learner(config: DemoConfig):
             x = nn.relu(nn.Dense(self.hidden)(x))
             return nn.Dense(self.num_actions)(x)
 
-    network = QNetwork(config.num_actions, config.hidden)
+    return QNetwork
+
+
+def __getattr__(name: str):
+    # ``QNetwork`` (a flax module, also used by experiments/) is built on first use, so importing this module does
+    # not import flax and JAX
+    if name == "QNetwork":
+        return _q_network_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def make_learner(config: DemoConfig):
+    """(init(rng) -> LearnerState, step(state, batch) -> (state, metrics)), both pure."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    network = _q_network_class()(config.num_actions, config.hidden)
     optimizer = optax.chain(optax.clip_by_global_norm(10.0), optax.adam(config.learning_rate))
 
     def init(rng) -> LearnerState:
