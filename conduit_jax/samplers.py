@@ -339,11 +339,21 @@ def _all_shards(x, view):
     return lax.all_gather(x, view.axes, tiled=False).reshape(view.num_shards)
 
 
-def _as_schedule(value, name: str):
+def check_number(value, name: str, where: str, *, low: float = 0.0, above: bool = False) -> float:
+    """``value`` as a float when it is a finite real number >= ``low`` (> ``low`` with ``above``), else a
+    ConfigError naming ``where``'s argument ``name``, what it must be and what came."""
+    bound = f"{'>' if above else '>='} {low:g}"
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise ConfigError(f"{where}: {name} must be a finite number {bound}, got {type(value).__name__} {value!r}")
+    if not np.isfinite(value) or not (value > low if above else value >= low):
+        raise ConfigError(f"{where}: {name} must be a finite number {bound}, got {value!r}")
+    return float(value)
+
+
+def _as_schedule(value, name: str, where: str):
     if callable(value):
         return value
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
-        raise ConfigError(f"samplers.prioritized(): {name} must be a number or a schedule step -> value, got {value!r}")
+    value = check_number(value, name, where)
     return lambda step: jnp.float32(value)
 
 
@@ -352,8 +362,12 @@ def _priority_sampler(name: str, batch_size: int, alpha: float, beta, eps: float
     """The sum-tree sampler shared by item and sequence replay; ``on_insert`` decides which slots become eligible.
     With ``max_times_sampled`` k, an item's mass drops to 0 once it has been delivered k times; draws of one batch past
     an item's remaining budget are marked as not delivered (``Delivery.mask`` False) and do not count."""
-    beta_at = _as_schedule(beta, "beta")
-    if max_times_sampled is not None and (not isinstance(max_times_sampled, int) or max_times_sampled < 1):
+    where = f"samplers.{name}()"
+    check_number(alpha, "alpha", where)
+    check_number(eps, "eps", where, above=True)  # eps > 0 keeps every live item sampleable
+    beta_at = _as_schedule(beta, "beta", where)
+    if max_times_sampled is not None and (not isinstance(max_times_sampled, int) or isinstance(max_times_sampled, bool)
+                                          or max_times_sampled < 1):
         raise ConfigError(f"samplers.{name}(): max_times_sampled must be an int >= 1 or None, got "
                           f"{max_times_sampled!r}")
 
@@ -409,7 +423,7 @@ def _priority_sampler(name: str, batch_size: int, alpha: float, beta, eps: float
         current = sumtree.leaf_values(state.levels, slot)
         # an id whose slot was rewritten since it was sampled names another item now: ignore it, never apply it
         live = mine & (generation == storage.slot_generation(view.cursor, view.laps, slot)) & (current > 0)
-        values = _mass(priorities, alpha, eps)
+        values = _mass(priorities, alpha, eps, view.num_shards * view.shard_capacity)
         levels = sumtree.set_leaves(state.levels, slot, values, live)
         top = jnp.max(jnp.where(live, priorities, 0.0))
         ignored = jnp.sum(mine & ~live).astype(jnp.int32)
@@ -450,10 +464,18 @@ def _relayout_priorities(saved: dict, moves: ItemMoves, target: dict) -> dict:
     return out
 
 
-def _mass(priority, alpha: float, eps: float):
-    """A live item's mass (p + eps)^alpha, kept >= the smallest normal float32: with a large alpha it would underflow
-    to 0, and a zero mass means "never draw, never update" (retired) to the sum tree."""
-    return jnp.maximum(jnp.power(priority + eps, alpha), jnp.finfo(jnp.float32).tiny)
+def max_mass(capacity: int) -> float:
+    """The largest mass one item of a buffer of ``capacity`` items gets: float32's maximum / (2 * capacity), so the
+    sum tree's total (and every partial sum a draw computes) stays finite for any finite priority."""
+    return float(np.finfo(np.float32).max) / (2.0 * capacity)
+
+
+def _mass(priority, alpha: float, eps: float, capacity: int):
+    """A live item's mass (p + eps)^alpha, kept >= the smallest normal float32 (with a large alpha it would underflow
+    to 0, and a zero mass means "never draw, never update", retired, to the sum tree) and <= ``max_mass(capacity)``
+    (a priority of 3e38 would otherwise overflow the tree: every weight NaN, every draw row 0)."""
+    mass = jnp.power(priority + eps, alpha)
+    return jnp.clip(mass, jnp.finfo(jnp.float32).tiny, jnp.float32(max_mass(capacity)))
 
 
 def _has_mass(state: PriorityState, size):
@@ -470,15 +492,9 @@ def prioritized(batch_size: int, alpha: float = 0.6, beta=0.4, eps: float = 1e-6
     priority seen so far. ``max_times_sampled`` retires an item after that many deliveries (``alpha=0`` makes this
     uniform sampling with a delivery limit)."""
     _check_batch_size(batch_size, "prioritized")
-    if not alpha >= 0:
-        raise ConfigError(f"samplers.prioritized(): alpha must be >= 0, got {alpha!r}")
-    if not eps > 0:
-        raise ConfigError(f"samplers.prioritized(): eps must be > 0 (it keeps every live item sampleable), got {eps!r}")
-    if not callable(beta) and not (isinstance(beta, (int, float)) and beta >= 0):
-        raise ConfigError(f"samplers.prioritized(): beta must be >= 0 or a schedule, got {beta!r}")
 
     def on_insert(state: PriorityState, view: InsertView):
-        value = _mass(state.max_priority, alpha, eps)
+        value = _mass(state.max_priority, alpha, eps, view.num_shards * view.shard_capacity)
         levels = sumtree.set_run(state.levels, view.slots[0], jnp.full(view.slots.shape, value), view.valid,
                                  view.shard_capacity)
         return replace(state, levels=levels)
@@ -554,7 +570,8 @@ def sequences(batch_size: int, length: int, streams: int, *, burn_in: int = 0, p
             modulus = stride * period
             start_position = (view.laps % modulus) * (view.shard_capacity % modulus) + position - back_steps
             eligible &= ((start_position % modulus) // stride) % period == 0
-        value = _mass(state.max_priority, exponent, eps) if weighted else jnp.float32(1.0)
+        value = (_mass(state.max_priority, exponent, eps, view.num_shards * view.shard_capacity) if weighted
+                 else jnp.float32(1.0))
         # One run of slots from the first completed window's start to the last new row: the window starts (each new
         # row's slot, window-1 steps back) get their mass, then the new rows' own slots get 0 (the windows that
         # started there are gone with their items) unless a window starting there just completed. A start that is

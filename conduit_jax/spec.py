@@ -203,9 +203,10 @@ def checked_priority_update(ids, priorities, capacity: int, where: str = "update
                             f"{ids_np.dtype}{list(ids_np.shape)}")
     prio_np = checked_priorities(priorities, ids_np.shape[0], where)
     rows, generations = ids_np[:, 0], ids_np[:, 1]
-    unknown = (rows < 0) | (rows >= capacity) | (generations < 1)
+    # checked before narrowing to int32: a wider generation of 2**32 + 1 would become 1 and name a live item
+    unknown = (rows < 0) | (rows >= capacity) | (generations < 1) | (generations > np.iinfo(np.int32).max)
     if unknown.any():
         i = int(np.argmax(unknown))
         raise PriorityError(f"{where}: ids[{i}] = {ids_np[i].tolist()} is not an id of this plane (rows are in "
-                            f"[0, {capacity}), generations >= 1)")
+                            f"[0, {capacity}), generations in [1, 2**31 - 1])")
     return ids_np.astype(np.int32), prio_np

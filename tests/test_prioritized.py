@@ -215,8 +215,8 @@ def _bad_updates():
         "row_too_large": (np.array([[0, 1], [CAPACITY, 1], [3, 1]]), ok, "not an id"),
         "row_negative": (np.array([[0, 1], [-1, 1], [3, 1]]), ok, "not an id"),
         "row_huge_uint": (np.array([[0, 1], [2**32 - 1, 1], [3, 1]], np.uint32), ok, "not an id"),
-        "generation_0": (np.array([[0, 1], [1, 0], [3, 1]]), ok, "generations >= 1"),
-        "generation_negative": (np.array([[0, -1], [1, 1], [3, 1]]), ok, "generations >= 1"),
+        "generation_0": (np.array([[0, 1], [1, 0], [3, 1]]), ok, r"generations in \[1, 2\*\*31 - 1\]"),
+        "generation_negative": (np.array([[0, -1], [1, 1], [3, 1]]), ok, r"generations in \[1, 2\*\*31 - 1\]"),
         "empty": (np.zeros((0, 2), np.int32), np.zeros((0,), np.float32), "empty"),
         "too_many_priorities": (good, [0.5, 1.0, 2.0, 3.0], "one per id"),
         "too_few_priorities": (good, [0.5], "one per id"),
@@ -258,12 +258,50 @@ def test_update_needs_a_prioritized_sampler():
             plane.update_priorities([[0, 1]], [1.0])
 
 
-@pytest.mark.parametrize("kwargs", [{"alpha": -0.1}, {"eps": 0.0}, {"eps": -1.0}, {"beta": -0.5}, {"beta": "high"},
-                                    {"batch_size": 0}])
-def test_bad_prioritized_config(kwargs):
-    kwargs = {"batch_size": 8, **kwargs}
-    with pytest.raises(ConfigError):
-        samplers.prioritized(**kwargs)
+@pytest.mark.parametrize("kwargs, names", [
+    ({"alpha": -0.1}, "alpha"), ({"eps": 0.0}, "eps"), ({"eps": -1.0}, "eps"), ({"beta": -0.5}, "beta"),
+    ({"beta": "high"}, "beta"), ({"batch_size": 0}, "batch_size"), ({"alpha": float("inf")}, "alpha"),
+    ({"beta": float("inf")}, "beta"), ({"eps": float("inf")}, "eps"), ({"alpha": float("nan")}, "alpha"),
+    ({"alpha": "x"}, "alpha"), ({"alpha": True}, "alpha"), ({"max_times_sampled": True}, "max_times_sampled")])
+def test_bad_prioritized_config(kwargs, names):
+    with pytest.raises(ConfigError, match=rf"samplers.prioritized\(\): {names} must be"):
+        samplers.prioritized(**{"batch_size": 8, **kwargs})
+    if "batch_size" not in kwargs:  # the windowed sampler checks the same arguments
+        with pytest.raises(ConfigError, match=rf"samplers.sequences\(\): {names} must be"):
+            samplers.sequences(8, 2, 1, **{"alpha": 0.6, **kwargs})
+
+
+@pytest.mark.parametrize("shards", [1, 8])
+def test_priorities_at_the_float32_extremes_keep_the_sum_tree_finite(shards):
+    """alpha = 1 and half the items at float32's maximum: without a cap the tree's total overflows (every weight NaN,
+    every draw row 0). With it the huge items share the mass evenly, weights stay in (0, 1], nothing else is drawn."""
+    capacity = 64
+    plane = make_plane(default_mesh(shards), capacity, samplers.prioritized(32, alpha=1.0, beta=1.0))
+    ingest_range(plane, 0, capacity)
+    g = np.arange(capacity)
+    huge = g % 2 == 0
+    plane.update_priorities(ids_of(g, shards, capacity),
+                            np.where(huge, np.finfo(np.float32).max, np.float32(1e-30)).astype(np.float32))
+    leaves = tree_leaves(plane)
+    assert np.isfinite(leaves).all() and leaves.max() == np.float32(samplers.max_mass(capacity))
+    counts = np.zeros(capacity, np.int64)
+    for _ in range(40):
+        delivery = plane.sample()
+        weights = np.asarray(delivery.weights)
+        assert np.isfinite(weights).all() and (weights > 0).all() and (weights <= 1).all()
+        counts += np.bincount(np.asarray(delivery.data["g"]), minlength=capacity)
+    assert counts[~huge].sum() == 0  # the others' mass (1e-30 + eps) is 1e-36 of the total: never drawn in 1,280
+    assert stats.chisquare(counts[huge]).pvalue > P_MIN  # equal capped masses: uniform over the huge items
+
+
+def test_an_id_wider_than_int32_is_refused_before_narrowing(mesh):
+    plane = make_plane(mesh, 16, samplers.prioritized(8))
+    ingest_range(plane, 0, 16)
+    before = tree_leaves(plane).copy()
+    wide = np.array([[0, 2**32 + 1]], np.int64)  # narrowed to int32 this would be generation 1: the live item 0
+    with pytest.raises(PriorityError, match=r"ids\[0\] = \[0, 4294967297\] is not an id of this plane"):
+        plane.update_priorities(wide, [5.0])
+    np.testing.assert_array_equal(tree_leaves(plane), before)
 
 
 # -- stale ids ------------------------------------------------------------------------------------------------------
