@@ -150,7 +150,11 @@ class ExperienceSpec:
             got_dtype = np.dtype(leaf.dtype)
             if got_dtype != dtype:
                 if cast and _WIDE_TO_NARROW.get(got_dtype) == dtype:
-                    pass
+                    misfit = _first_misfit(np.asarray(leaf), dtype)
+                    if misfit is not None:
+                        index, value = misfit
+                        problems.append(f"leaf '{name}' at index {index} holds {value!r}, which {dtype} cannot hold "
+                                        f"(cast=True narrows {got_dtype} to {dtype} only when every value fits)")
                 elif got_dtype in _WIDE_TO_NARROW and _WIDE_TO_NARROW[got_dtype] == dtype:
                     problems.append(f"leaf '{name}' has dtype {got_dtype} but the spec says {dtype}: cast it "
                                     f"(x.astype(np.{dtype})) or build the plane with cast=True (x64 is off)")
@@ -171,6 +175,20 @@ class ExperienceSpec:
         if problems:
             raise SpecError(f"{where}: " + "; ".join(problems))
         return int(counts[0])
+
+
+def _first_misfit(values: np.ndarray, dtype: np.dtype):
+    """``(index, value)`` of the first entry that narrowing ``values`` to ``dtype`` would change (an integer out of
+    range; a finite float beyond float32's range), or None when all of them fit."""
+    if dtype.kind in "iu":
+        info = np.iinfo(dtype)
+        bad = (values < info.min) | (values > info.max)
+    else:
+        bad = np.isfinite(values) & (np.abs(values) > np.finfo(dtype).max)
+    if not bad.any():
+        return None
+    index = np.unravel_index(int(np.argmax(bad)), values.shape)
+    return tuple(int(i) for i in index), values[index].item()
 
 
 # ------------------------------------------------------------------------------------------------------------------

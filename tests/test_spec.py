@@ -211,6 +211,20 @@ def test_validate_64bit_leaf_tells_how_to_cast(wide, narrow):
         spec.validate({"a": np.zeros((5, 2), np.int16), "b": np.zeros((5,), narrow)}, cast=True)
 
 
+@pytest.mark.parametrize("wide, narrow, value", [(np.int64, np.int32, 2**40 + 3), (np.int64, np.int32, -2**31 - 1),
+                                                  (np.uint64, np.uint32, 2**32), (np.float64, np.float32, 1e39)])
+def test_cast_refuses_values_the_narrow_dtype_cannot_hold(wide, narrow, value):
+    """cast=True narrows only what fits: 2**40 + 3 as int32 would be 3, silently; 1e39 as float32 would be inf."""
+    spec = ExperienceSpec.from_example({"a": np.zeros((2,), narrow)})
+    batch = {"a": np.zeros((5, 2), wide)}
+    batch["a"][3, 1] = value
+    with pytest.raises(SpecError, match=rf"leaf 'a' at index \(3, 1\) holds {re.escape(repr(batch['a'][3, 1].item()))}, "
+                                        rf"which {np.dtype(narrow)} cannot hold"):
+        spec.validate(batch, cast=True)
+    batch["a"][3, 1] = 7  # in range: accepted, and nan/inf floats stay what they are
+    assert spec.validate(batch, cast=True) == 5
+
+
 def test_validate_empty_batch_rejected():
     spec = ExperienceSpec.from_example(example_item())
     with pytest.raises(SpecError, match=r"empty \(0 items\)"):
