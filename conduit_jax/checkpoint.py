@@ -1074,7 +1074,11 @@ def _spec_from_json(recorded, given, where) -> ExperienceSpec:
 def _directory(directory, where: str) -> str:
     if not isinstance(directory, (str, os.PathLike)):
         raise ConfigError(f"{where}: directory must be a path, got {type(directory).__name__}")
-    return os.path.abspath(os.fspath(directory))
+    path = os.path.abspath(os.fspath(directory))
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise CheckpointError(f"{where}: {path} is a file, not a directory; checkpoints go in a directory of "
+                              f"their own (one numbered step per folder)")
+    return path
 
 
 def _steps_on_disk(directory: str, include_unfinished: bool = False) -> list[int]:

@@ -229,6 +229,9 @@ def check_plan(plan, config: Optional[ReplayConfig], where: str = "ExperienceDat
                           f"{config.layout.row_bytes}-byte rows; plan for this spec and capacity")
 
 
+MAX_CAPACITY = 2**31 - 1  # items one buffer holds at most: row ids and counters are int32
+
+
 def check_config(config: ReplayConfig, capacity, where: str = "ExperienceDataPlane()") -> None:
     """ConfigError naming the argument unless the sampler, capacity, mesh and staleness bound can work together."""
     shards = config.num_shards
@@ -273,5 +276,5 @@ def check_config(config: ReplayConfig, capacity, where: str = "ExperienceDataPla
                 spec.shapes[spec.names.index(staleness.key)] != ():
             raise ConfigError(f"{where}: staleness needs a per-item int32 leaf '{staleness.key}' (the "
                               f"policy version each item was produced with); the spec is {spec}")
-    if capacity >= 2**31:
-        raise ConfigError(f"{where}: capacity must be below 2**31 (int32 row ids), got {capacity}")
+    if capacity > MAX_CAPACITY:
+        raise ConfigError(f"{where}: capacity must be at most {MAX_CAPACITY:,} (int32 row ids), got {capacity:,}")

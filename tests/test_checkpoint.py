@@ -547,6 +547,13 @@ def _array_files(directory):
 def test_missing_checkpoints_are_refused(tmp_path):
     with pytest.raises(CheckpointError, match="no such directory"):
         ExperienceDataPlane.restore(tmp_path / "nowhere")
+    (tmp_path / "a-file").write_text("not a checkpoint")
+    plane = ExperienceDataPlane(SPEC, 16, samplers.uniform(8), mesh=default_mesh(1))
+    for call in (lambda: plane.save(tmp_path / "a-file", block=True),
+                 lambda: ExperienceDataPlane.restore(tmp_path / "a-file")):
+        with pytest.raises(CheckpointError, match="a-file is a file, not a directory"):
+            call()
+    assert (tmp_path / "a-file").read_text() == "not a checkpoint"
     with pytest.raises(CheckpointError, match="no finished checkpoint"):
         ExperienceDataPlane.restore(tmp_path)
     (tmp_path / "3.orbax-checkpoint-tmp-123").mkdir()

@@ -210,6 +210,8 @@ def test_infeasible_says_which_constraint_by_how_much_and_what_fits():
         Workload(batch_size=0)
     with pytest.raises(PlacementError, match="capacity"):
         plan(SPEC, 0, dgx_h100())
+    with pytest.raises(PlacementError, match=r"capacity must be an int in \[1, 2,147,483,647\]"):
+        plan(SPEC, 2**31, h200())  # what a plane refuses (int32 row ids), the planner refuses too
 
 
 def _check_capacity(topo: Topology, result: Plan) -> None:

@@ -326,8 +326,11 @@ def plan(spec, capacity: int, topology: Topology, workload: Optional[Workload] =
                              f"Topology.load(...)), got {type(topology).__name__}")
     if not isinstance(workload, Workload):
         raise PlacementError(f"plan(): workload must be a placement.Workload, got {type(workload).__name__}")
-    if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1:
-        raise PlacementError(f"plan(): capacity must be a positive int, got {capacity!r}")
+    from conduit_jax.functional import MAX_CAPACITY
+
+    if not isinstance(capacity, int) or isinstance(capacity, bool) or not 1 <= capacity <= MAX_CAPACITY:
+        raise PlacementError(f"plan(): capacity must be an int in [1, {MAX_CAPACITY:,}] (a plane's row ids are "
+                             f"int32), got {capacity!r}")
     row_bytes = row_bytes_of(spec)
     search = _Search(topology, workload, row_bytes, capacity)
     return search.run()
