@@ -4,9 +4,10 @@ What a checkpoint holds. Step ``k`` of a checkpoint directory is an orbax step f
 items: ``arrays`` (every leaf of ``plane.state``, by name, written by orbax/tensorstore) and ``meta`` (JSON): the format
 version, the spec (leaf names, shapes, dtype names such as ``bfloat16``, and the tree as nested dicts / lists / tuples
 so it can be rebuilt), capacity, shard count and per-shard write counts, sampler and limiter (name + constructor
-parameters), staleness, ``cast``, the delivery schedule, and for every stored array its shape, dtype and CRC-32.
-Nothing is pickled: loading a checkpoint cannot run code. Restore refuses (``CheckpointError``, a ``ValueError``) a
-missing, unfinished, partial or corrupted checkpoint (an array that does not read back or whose CRC differs), a
+parameters), staleness, ``cast``, the delivery schedule, for every stored array its shape, dtype and CRC-32, and
+the CRC-32 of the metadata itself (``metadata_checksum``). Nothing is pickled: loading a checkpoint cannot run code.
+Restore refuses (``CheckpointError``, a ``ValueError``) a missing, unfinished, partial or corrupted checkpoint (an
+array that does not read back or whose CRC differs; metadata edited after the save, e.g. a leaf's dtype or name), a
 format version it cannot read, and anything that does not match what the caller passes explicitly (``spec``,
 ``capacity``, ``sampler``, ``limiter``); the message says what differs.
 
@@ -82,12 +83,12 @@ from conduit_jax.errors import ConduitError, ConduitWarning, ConfigError
 from conduit_jax.spec import ExperienceSpec, leaf_name
 
 FORMAT = "conduit-jax-plane"
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 # Version 1 stored the ring of a sampler with several streams per shard time-major (a slot was its row); version 2
 # stores it stream-major (storage.ring_row). Versions 1 and 2 stored every ring as uint32 words; version 3 stores the
-# ring of a layout made mostly of 1-byte leaves as uint8 (storage.RowLayout.ring_dtype): the same bytes. Nothing
-# else differs, so older steps are read and converted.
-READABLE_VERSIONS = (1, 2, 3)
+# ring of a layout made mostly of 1-byte leaves as uint8 (storage.RowLayout.ring_dtype): the same bytes. Version 4
+# adds the metadata's own checksum (metadata_checksum). Nothing else differs, so older steps are read and converted.
+READABLE_VERSIONS = (1, 2, 3, 4)
 _ARRAYS, _META = "arrays", "meta"
 _ROWS = "storage.rows"
 _DELTA = "delta.rows"
@@ -282,6 +283,8 @@ def _write(handle: SaveHandle, plane, snapshot, meta, previous, max_to_keep, com
         del snapshot
         meta["arrays"] = {name: {"shape": list(a.shape), "dtype": np.dtype(a.dtype).name, "crc32": _crc32(a)}
                           for name, a in arrays.items()}
+        meta = json.loads(json.dumps(meta))  # as it will read back (tuples become lists), then signed
+        meta["meta_crc32"] = metadata_checksum(meta)
         handle.bytes = int(sum(a.nbytes for a in arrays.values()))
         import orbax.checkpoint as ocp
         options = ocp.CheckpointManagerOptions(max_to_keep=None, enable_async_checkpointing=False, create=True,
@@ -849,6 +852,13 @@ def _chain(directory: str, step: int, where: str) -> list[tuple[int, dict]]:
     return chain
 
 
+def metadata_checksum(meta: dict) -> int:
+    """CRC-32 of a step's metadata as canonical JSON (sorted keys, no spaces), its own ``meta_crc32`` field left out.
+    Recorded from format version 4 on and checked by restore, so metadata edited after the save is refused."""
+    body = {key: value for key, value in meta.items() if key != "meta_crc32"}
+    return zlib.crc32(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
+
+
 def _read_meta(directory: str, step: int, where: str) -> dict:
     meta = _read_meta_file(directory, step)
     if isinstance(meta, Exception):
@@ -859,6 +869,10 @@ def _read_meta(directory: str, step: int, where: str) -> dict:
     if meta.get("format_version") not in READABLE_VERSIONS:
         raise CheckpointError(f"{where}: step {step} has format version {meta.get('format_version')!r}; this version "
                               f"of conduit_jax reads versions {', '.join(map(str, READABLE_VERSIONS))}")
+    if meta["format_version"] >= 4 and meta.get("meta_crc32") != metadata_checksum(meta):
+        raise CheckpointError(f"{where}: the metadata of step {step} does not match its recorded checksum: it was "
+                              f"edited or damaged after the save (a dtype, a leaf name, a count); restore another "
+                              f"step or save again")
     if meta.get("kind") not in ("full", "incremental"):
         raise CheckpointError(f"{where}: step {step} has unknown kind {meta.get('kind')!r}")
     if not isinstance(meta.get("arrays"), dict) or not isinstance(meta.get("counts"), list):

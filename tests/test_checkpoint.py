@@ -594,18 +594,35 @@ def test_corrupted_or_foreign_metadata_is_refused(saved):
     with pytest.raises(CheckpointError, match="metadata of step 0 cannot be read"):
         ExperienceDataPlane.restore(directory, mesh=default_mesh(1))
     for change, message in ((("format_version", 99), "format version 99"),
-                            (("format", "something else"), "not a Conduit-JAX plane checkpoint"),
-                            (("row_words", 3), "rows have 3 words")):
+                            (("format", "something else"), "not a Conduit-JAX plane checkpoint")):
         with open(meta_file, "w") as f:
             json.dump({**meta, change[0]: change[1]}, f)
         with pytest.raises(CheckpointError, match=message):
             ExperienceDataPlane.restore(directory, mesh=default_mesh(1))
+    # the metadata is covered by its own checksum: a leaf's dtype or name edited, a count changed, is refused
+    leaf = meta["spec"]["leaves"][0]
+    other = "float32" if leaf["dtype"] == "int32" else "int32"  # same size: the bytes would be reinterpreted
+    edits = [{**meta, "spec": {**meta["spec"], "leaves": [{**leaf, "dtype": other}, *meta["spec"]["leaves"][1:]]}},
+             {**meta, "spec": {**meta["spec"], "leaves": [{**leaf, "name": "renamed"}, *meta["spec"]["leaves"][1:]]}},
+             {**meta, "row_words": 3}, {**meta, "meta_crc32": meta["meta_crc32"] + 1}]
+    edits.append({key: value for key, value in meta.items() if key != "meta_crc32"})
+    for edited in edits:
+        with open(meta_file, "w") as f:
+            json.dump(edited, f)
+        with pytest.raises(CheckpointError, match="metadata of step 0 does not match its recorded checksum"):
+            ExperienceDataPlane.restore(directory, mesh=default_mesh(1))
+
+    def signed(changed):  # past the checksum (as if saved so): the checks behind it still hold
+        return {**changed, "meta_crc32": checkpoint.metadata_checksum(changed)}
+
     bad_crc = {**meta, "arrays": {**meta["arrays"], "storage.cursor": {**meta["arrays"]["storage.cursor"],
                                                                       "crc32": 1}}}
-    with open(meta_file, "w") as f:
-        json.dump(bad_crc, f)
-    with pytest.raises(CheckpointError, match=r"\['storage.cursor'\] of step 0 do not match their recorded digests"):
-        ExperienceDataPlane.restore(directory, mesh=default_mesh(1))
+    for changed, message in (({**meta, "row_words": 3}, "rows have 3 words"),
+                             (bad_crc, r"\['storage.cursor'\] of step 0 do not match their recorded digests")):
+        with open(meta_file, "w") as f:
+            json.dump(signed(changed), f)
+        with pytest.raises(CheckpointError, match=message):
+            ExperienceDataPlane.restore(directory, mesh=default_mesh(1))
 
 
 def test_mismatching_expectations_are_refused_with_what_differs(saved):
