@@ -25,13 +25,27 @@ def priority_of(x):
     return 0.25 + (np.asarray(x) % 5).astype(np.float32)
 
 
+def listening_on(port: int) -> list[str]:
+    """Local addresses (hex, as /proc/net/tcp{,6} writes them) of this process's host listening on ``port``."""
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                local, state = line.split()[1], line.split()[3]
+                address, hex_port = local.rsplit(":", 1)
+                if state == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
+                    found.append(address)
+    return found
+
+
 def plane_worker(process_id, num_processes, batches=120):
     """Runs in each process of the mesh (after jax.distributed.initialize)."""
     from conduit_jax import ExperienceDataPlane, samplers
     from conduit_jax.distributed import multihost
 
     mesh = multihost.global_mesh()
-    out = {"process": jax.process_index(), "devices": jax.device_count(), "local_devices": jax.local_device_count()}
+    out = {"process": jax.process_index(), "devices": jax.device_count(), "local_devices": jax.local_device_count(),
+           "coordinator_listens_on": listening_on(int(os.environ[multihost.ENV_COORDINATOR].rsplit(":", 1)[1]))}
     shards = mesh.devices.size
     shard_capacity = CAPACITY // shards
     for kind in ("uniform", "prioritized"):
@@ -81,6 +95,14 @@ def test_two_processes_form_one_mesh(results):
             assert r[f"{kind}_local_rows_per_batch"] == BATCH // 2  # each process holds its devices' rows
             assert r[f"{kind}_len"] == ITEMS
             assert r[f"{kind}_stats"]["items_inserted"] == ITEMS and r[f"{kind}_stats"]["num_shards"] == 4
+
+
+def test_the_coordinator_listens_on_loopback_only(results):
+    """launch() puts the coordinator on 127.0.0.1 and it binds that address, not every interface (JAX's default)."""
+    listening = results[0]["coordinator_listens_on"]
+    # 127.0.0.1, ::1 and ::ffff:127.0.0.1, as /proc writes them (JAX binds an IPv6 socket, "[::]" by default)
+    loopback = {"0100007F", "00000000000000000000000001000000", "0000000000000000FFFF00000100007F"}
+    assert listening and set(listening) <= loopback, listening
 
 
 def test_uniform_distribution_over_the_global_mesh(results):

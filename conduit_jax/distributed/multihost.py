@@ -53,15 +53,19 @@ def configure_cpu(local_devices: int = 2) -> None:
 
 
 def initialize(coordinator_address: str, num_processes: int, process_id: int, *,
-               local_cpu_devices: Optional[int] = None, timeout_s: int = 120) -> None:
+               local_cpu_devices: Optional[int] = None, timeout_s: int = 120,
+               bind_address: Optional[str] = None) -> None:
     """``jax.distributed.initialize`` for one process of the mesh (``local_cpu_devices``: configure the CPU backend
-    first, see ``configure_cpu``)."""
+    first, see ``configure_cpu``). Process 0 runs the coordinator service; it listens on ``bind_address`` (default:
+    ``coordinator_address`` itself, so a loopback coordinator is reachable from this machine only and a cluster
+    one on that interface only; JAX's own default is every interface). Pass ``"[::]:PORT"`` to listen everywhere."""
     import jax
 
     if local_cpu_devices:
         configure_cpu(local_cpu_devices)
     jax.distributed.initialize(coordinator_address=coordinator_address, num_processes=int(num_processes),
-                               process_id=int(process_id), initialization_timeout=timeout_s)
+                               process_id=int(process_id), initialization_timeout=timeout_s,
+                               coordinator_bind_address=bind_address or coordinator_address)
 
 
 def global_mesh(axis: str = "shard"):
@@ -186,7 +190,9 @@ class _MeshProcess:
         return ray.util.get_node_ip_address()
 
     def port(self) -> int:
-        return free_port("0.0.0.0")
+        import ray
+
+        return free_port(ray.util.get_node_ip_address())  # the coordinator binds this address only
 
     def run(self, target: str, process_id: int, num_processes: int, coordinator: str, local_cpu_devices: int,
             kwargs: Optional[dict]):
