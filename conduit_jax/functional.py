@@ -277,4 +277,5 @@ def check_config(config: ReplayConfig, capacity, where: str = "ExperienceDataPla
             raise ConfigError(f"{where}: staleness needs a per-item int32 leaf '{staleness.key}' (the "
                               f"policy version each item was produced with); the spec is {spec}")
     if capacity > MAX_CAPACITY:
-        raise ConfigError(f"{where}: capacity must be at most {MAX_CAPACITY:,} (int32 row ids), got {capacity:,}")
+        raise ConfigError(f"{where}: capacity must be below 2**31 (int32 row ids: at most {MAX_CAPACITY:,}), got "
+                          f"{capacity:,}")
