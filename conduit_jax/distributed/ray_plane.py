@@ -30,9 +30,13 @@ are ignored and counted (``stats()['priority_updates_lost_shard']``), never appl
 
 Fault tolerance. Each shard snapshots its plane to its own checkpoint directory (``conduit_jax.checkpoint``, async
 orbax writes) every ``checkpoint_every_s`` seconds / ``checkpoint_every_items`` items, and keeps a small JSON record
-(``shard.json``: incarnation, items ever inserted, items lost) that it rewrites after every ingest. Ray restarts a
-dead shard (``max_restarts``); its constructor restores the newest finished checkpoint, so the items ingested since
-that checkpoint are lost: the shard counts them (recorded inserted - restored inserted) and reports them. While a
+(``shard.json``: incarnation, items ever inserted, items lost) that it rewrites after every ingest. With
+``durable=True`` (the default) it also appends every ingested batch to a write-ahead log (``wal.py``) before it
+acknowledges the ingest. Ray restarts a dead shard (``max_restarts``); its constructor restores the newest finished
+checkpoint and replays the log from there, so an acknowledged item survives the crash of its shard's process (the
+log is not fsynced per ingest: a crash of the whole host can lose what the OS had not written yet). With
+``durable=False`` the items ingested since that checkpoint are lost; either way the shard counts what it could not
+bring back (recorded inserted - restored inserted) and reports it. While a
 shard is down the driver samples from the live shards only (``stats()['degraded']``; the distribution is then the
 declared one over the live shards' items) and routes ingests elsewhere; it probes the shard and takes it back when it
 answers. For multi-node clusters the checkpoint directory must be on storage every node sees (a restarted actor may
@@ -62,6 +66,7 @@ from conduit_jax.spec import ExperienceSpec, checked_priorities
 SUPPORTED_SAMPLERS = ("uniform", "prioritized")
 ID_COLUMNS = ("actor", "incarnation", "row", "generation")
 META_FILE = "shard.json"
+WAL_DIR = "wal"  # the shard's write-ahead log of acknowledged ingests (wal.py)
 MANIFEST = "distributed.json"
 
 
@@ -141,7 +146,7 @@ class ShardServer:
                  devices: Optional[int] = None, seed: int = 0, limiter=None, cast: bool = False,
                  checkpoint_every_s: Optional[float] = None, checkpoint_every_items: Optional[int] = None,
                  restore_from: Optional[str] = None, incremental: bool = False, max_to_keep: int = 2,
-                 jax_config: Optional[dict] = None):
+                 jax_config: Optional[dict] = None, durable: bool = True):
         import jax
 
         for key, value in (jax_config or {}).items():
@@ -176,14 +181,30 @@ class ShardServer:
                                              seed=seed + 7919 * self.index, cast=cast)
             restored = 0
         self.restored_from = source
+        self.log = None
+        replayed = 0
+        if durable:  # the acknowledged ingests since that checkpoint, from this shard's write-ahead log
+            from conduit_jax.distributed.wal import IngestLog
+
+            self.log = IngestLog(os.path.join(self.directory, WAL_DIR), self.plane.spec)
+            for _, batch, n in self.log.replay(restored):
+                try:
+                    self.plane.ingest(batch)
+                except ConduitError:  # a rate limiter that refuses the batch now: the rest is counted lost
+                    break
+                replayed += n
+            self.log.rotate(restored + replayed)
+        self.replayed = replayed
+        restored += replayed
         self.incarnation = 0 if record is None else int(record["incarnation"]) + 1
         self.lost_last = 0 if record is None else max(0, int(record["inserted"]) - restored)
         self.lost = (0 if record is None else int(record.get("lost", 0))) + self.lost_last
-        self.inserted = self.checkpointed = restored
+        self.inserted = restored
+        self.checkpointed = restored - replayed
         self.ignored_lost = 0  # priority updates that named an earlier incarnation's items
         self.checkpoint_error: Optional[str] = None
         self._save = None  # (handle, inserted at the save) of the save in progress
-        self._last_save_time, self._last_save_items = time.monotonic(), restored
+        self._last_save_time, self._last_save_items = time.monotonic(), self.checkpointed
         self._write_meta()
         self._rng = np.random.default_rng([seed, self.index, self.incarnation])
         self._build_kernels()
@@ -272,7 +293,7 @@ class ShardServer:
             mass, size, ignored = jax.device_get(self._status_kernel(self.plane.state))
         return {"incarnation": self.incarnation, "mass": float(mass), "size": int(size), "inserted": self.inserted,
                 "ignored": int(ignored), "ignored_lost": self.ignored_lost, "checkpointed": self.checkpointed,
-                "lost": self.lost, **extra}
+                "durable": self.log is not None, "lost": self.lost, **extra}
 
     def _poll_save(self) -> None:
         if self._save is not None and self._save[0].done():
@@ -280,9 +301,15 @@ class ShardServer:
             self._save = None
             try:
                 handle.wait(0)
-                self.checkpointed = inserted
+                self._covered(inserted)
             except Exception as exc:  # a failed save leaves the previous checkpoint in place; say so in info()
                 self.checkpoint_error = f"{type(exc).__name__}: {exc}"
+
+    def _covered(self, inserted: int) -> None:
+        """A checkpoint of the first ``inserted`` items is on disk: the log before it is not needed any more."""
+        self.checkpointed = inserted
+        if self.log is not None:
+            self.log.drop_before(inserted)
 
     def _maybe_checkpoint(self) -> None:
         self._poll_save()
@@ -300,8 +327,10 @@ class ShardServer:
                                        incremental=self.incremental and directory == self.directory)
         self._last_save_time, self._last_save_items = time.monotonic(), self.inserted
         if directory == self.directory:
+            if self.log is not None:
+                self.log.rotate(self.inserted)  # the save holds the first `inserted` items: a segment from there
             if block:
-                self.checkpointed = self.inserted
+                self._covered(self.inserted)
             else:
                 self._save = (handle, self.inserted)
         return handle
@@ -327,6 +356,8 @@ class ShardServer:
     def ingest(self, batch) -> dict:
         n = self.plane.spec.validate(batch, cast=self.plane.cast, where=f"shard {self.index} ingest()")
         self.plane.ingest(batch)
+        if self.log is not None:  # logged before the reply acknowledges it (a refused ingest is never logged)
+            self.log.append(self.inserted, batch, n)
         self.inserted += n
         self._write_meta()
         self._maybe_checkpoint()
@@ -425,6 +456,7 @@ class _Shard:
     seq: int = -1  # the call whose reply set mass/size (calls run in submission order on an actor)
     inserted: int = 0
     checkpointed: int = 0
+    durable: bool = False  # it logs every acknowledged ingest: nothing it acknowledged is at risk while it is down
     lost: int = 0
     ignored: int = 0
     ignored_lost: int = 0
@@ -476,6 +508,9 @@ class DistributedPlane:
         (single-node only). A directory that already holds shard checkpoints is resumed.
       checkpoint_every_s / checkpoint_every_items: periodic snapshot interval of each shard (None: not on that axis);
         a shard checks it at each call it serves (ingest, priority update, stats) and snapshots in the background.
+      durable: each shard logs every batch it ingests before acknowledging it and replays the log after a restart,
+        so no acknowledged item is lost to a crash of its process (see the module docstring; the log's cost on an
+        ingest is in ``benchmarks/wal.py``). False: items since a shard's last snapshot are lost with it.
       max_restarts: Ray restarts per actor. prefetch: requests ``deliver()`` keeps in flight.
       split: 'stratified' or 'multinomial' split of a batch over shards.
       placement: None (Ray's default scheduling), or a placement-group strategy ('PACK', 'SPREAD', 'STRICT_SPREAD')
@@ -494,7 +529,8 @@ class DistributedPlane:
                  placement: Optional[str] = None, actor_options: Optional[dict] = None, limiter=None,
                  cast: bool = False, sharding=None, beta=None, restore_from: Optional[str] = None,
                  max_pending_ingests: int = 8, incremental_checkpoints: bool = False,
-                 jax_config: Optional[dict] = None, actor_env: Optional[dict] = None, probe_interval_s: float = 0.2):
+                 jax_config: Optional[dict] = None, actor_env: Optional[dict] = None, probe_interval_s: float = 0.2,
+                 durable: bool = True):
         import ray
 
         from conduit_jax import samplers as samplers_lib
@@ -568,7 +604,7 @@ class DistributedPlane:
                 seed=seed, limiter=limiter, cast=cast, checkpoint_every_s=checkpoint_every_s,
                 checkpoint_every_items=checkpoint_every_items,
                 restore_from=None if restore_from is None else os.path.join(restore_from, f"actor_{i}"),
-                incremental=incremental_checkpoints, jax_config=jax_config)
+                incremental=incremental_checkpoints, jax_config=jax_config, durable=bool(durable))
             self._shards.append(_Shard(i, handle, directory))
         try:
             infos = ray.get([s.handle.info.remote() for s in self._shards])
@@ -655,7 +691,7 @@ class DistributedPlane:
             return  # a late reply of an earlier incarnation
         if "node_id" in status:
             shard.node_id = status["node_id"]
-        for key in ("inserted", "checkpointed", "lost", "ignored", "ignored_lost"):
+        for key in ("inserted", "checkpointed", "durable", "lost", "ignored", "ignored_lost"):
             if key in status:
                 setattr(shard, key, status[key])
         if seq >= shard.seq:
@@ -993,8 +1029,8 @@ class DistributedPlane:
     def stats(self, timeout: float = 30.0) -> dict:
         """Counters over the shards (one round trip to the live ones), the driver's routing and fault counters, and
         request latencies. ``degraded``: some shard is down, sampling runs on the others; ``items_lost``: items
-        ingested after a restarted shard's last checkpoint (gone); ``items_at_risk``: for shards down now, items not
-        yet in their last checkpoint."""
+        ingested after a restarted shard's last checkpoint that it could not replay (gone); ``items_at_risk``: for
+        shards down now that keep no log (``durable=False``), items not yet in their last checkpoint."""
         import ray
 
         self._poll()
@@ -1039,7 +1075,7 @@ class DistributedPlane:
             "sampler": self.sampler.name,
             "items_inserted": sum(s.inserted for s in self._shards),
             "items_lost": sum(s.lost for s in self._shards),
-            "items_at_risk": sum(s.inserted - s.checkpointed for s in self._shards if not s.alive),
+            "items_at_risk": sum(s.inserted - s.checkpointed for s in self._shards if not s.alive and not s.durable),
             "priority_updates_ignored": sum(s.ignored for s in self._shards),
             "priority_updates_lost_shard": self.counters["priority_updates_lost_shard"] + sum(
                 s.ignored_lost for s in self._shards),
