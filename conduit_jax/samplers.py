@@ -339,7 +339,7 @@ def _all_shards(x, view):
     return lax.all_gather(x, view.axes, tiled=False).reshape(view.num_shards)
 
 
-def check_number(value, name: str, where: str, *, low: float = 0.0, above: bool = False) -> float:
+def _check_number(value, name: str, where: str, *, low: float = 0.0, above: bool = False) -> float:
     """``value`` as a float when it is a finite real number >= ``low`` (> ``low`` with ``above``), else a
     ConfigError naming ``where``'s argument ``name``, what it must be and what came."""
     bound = f"{'>' if above else '>='} {low:g}"
@@ -353,7 +353,7 @@ def check_number(value, name: str, where: str, *, low: float = 0.0, above: bool 
 def _as_schedule(value, name: str, where: str):
     if callable(value):
         return value
-    value = check_number(value, name, where)
+    value = _check_number(value, name, where)
     return lambda step: jnp.float32(value)
 
 
@@ -363,8 +363,8 @@ def _priority_sampler(name: str, batch_size: int, alpha: float, beta, eps: float
     With ``max_times_sampled`` k, an item's mass drops to 0 once it has been delivered k times; draws of one batch past
     an item's remaining budget are marked as not delivered (``Delivery.mask`` False) and do not count."""
     where = f"samplers.{name}()"
-    check_number(alpha, "alpha", where)
-    check_number(eps, "eps", where, above=True)  # eps > 0 keeps every live item sampleable
+    _check_number(alpha, "alpha", where)
+    _check_number(eps, "eps", where, above=True)  # eps > 0 keeps every live item sampleable
     beta_at = _as_schedule(beta, "beta", where)
     if max_times_sampled is not None and (not isinstance(max_times_sampled, int) or isinstance(max_times_sampled, bool)
                                           or max_times_sampled < 1):

@@ -345,7 +345,7 @@ class ShardServer:
 
         return self._status(index=self.index, node_id=self.node_id, pid=_os.getpid(), capacity=self.plane.capacity,
                             num_shards=self.plane.num_shards, devices=[str(d) for d in self.mesh.devices.flat],
-                            lost_last=self.lost_last, restored_from=self.restored_from,
+                            lost_last=self.lost_last, replayed=self.replayed, restored_from=self.restored_from,
                             checkpoint_error=self.checkpoint_error, compiled=self.plane.compile_counts(),
                             share_kernels=sorted(self._kernels), sampler=self.plane.sampler.name,
                             row_words=self.row_words)
@@ -510,7 +510,7 @@ class DistributedPlane:
         a shard checks it at each call it serves (ingest, priority update, stats) and snapshots in the background.
       durable: each shard logs every batch it ingests before acknowledging it and replays the log after a restart,
         so no acknowledged item is lost to a crash of its process (see the module docstring; the log's cost on an
-        ingest is in ``benchmarks/wal.py``). False: items since a shard's last snapshot are lost with it.
+        ingest is in ``benchmarks/bench_wal.py``). False: items since a shard's last snapshot are lost with it.
       max_restarts: Ray restarts per actor. prefetch: requests ``deliver()`` keeps in flight.
       split: 'stratified' or 'multinomial' split of a batch over shards.
       placement: None (Ray's default scheduling), or a placement-group strategy ('PACK', 'SPREAD', 'STRICT_SPREAD')
