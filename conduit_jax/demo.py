@@ -255,7 +255,7 @@ def choose_placement(config: DemoConfig, spec) -> tuple[dict[str, Any], Any]:
     plan = placement.plan(spec, config.capacity, topology, work)
     why = {decision: reason for decision, _, reason in plan.reasons}
     return {"source": "planner", "devices": plan.num_shards, "storage": plan.memory["storage"],
-            "topology": plan.topology, "why": why.get("devices") or why.get("mesh") or ""}, {"plan": plan}
+            "topology": plan.topology, "why": why.get("shards", "")}, {"plan": plan}
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -472,7 +472,7 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"sampler {c['sampler']}(batch_size={c['batch_size']}), capacity {c['capacity']}",
         f"  placement       {where['source']}: {summary['num_devices']} {summary['platform']} "
         f"device{'s' if summary['num_devices'] > 1 else ''}, storage in {where['storage']} memory"
-        + (f" ({where['why']})" if where.get("why") else ""),
+        + (f"\n                  why: {where['why']}" if where.get("why") else ""),
         f"  spec            {summary['spec']}",
     ]
     for name, run in summary["runs"].items():

@@ -78,13 +78,15 @@ def test_a_rejected_deferred_update_surfaces_in_the_next_deliver():
 
 
 def test_close_stops_the_worker_and_the_plane_keeps_delivering():
-    before = len(_workers())
+    # this plane's own thread (a count of every worker thread would include earlier tests' planes, whose threads
+    # end whenever their planes are collected)
     with ExperienceDataPlane(SPEC, 64, samplers.fifo(4), schedule=schedule_lib.overlap(2),
                              mesh=default_mesh(1)) as plane:
         plane.ingest({"x": np.arange(32, dtype=np.int32)})
         got = [np.asarray(plane.deliver().data["x"])]
-        assert len(_workers()) == before + 1
-    assert len(_workers()) == before and plane._schedule.worker is None
+        thread = plane._schedule.worker._thread
+        assert thread.is_alive() and thread in _workers()
+    assert not thread.is_alive() and thread not in _workers() and plane._schedule.worker is None
     got += [np.asarray(plane.deliver().data["x"]) for _ in range(7)]  # refills dispatched by deliver() itself
     np.testing.assert_array_equal(np.concatenate(got), np.arange(32))  # FIFO order, each item once
     plane.close()  # idempotent
