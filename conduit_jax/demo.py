@@ -330,7 +330,7 @@ class _Run:
         self.rows.append(row)
 
     def summary(self) -> dict[str, Any]:
-        self.plane.close()
+        """The run's counts and latency table (run_demo has closed the plane's worker by now)."""
         stats = self.plane.stats()
         steady = self.rows[1 + self.config.warmup:] or self.rows[1:]
         return {

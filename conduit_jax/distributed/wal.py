@@ -21,6 +21,7 @@ import os
 import struct
 import zlib
 from collections.abc import Iterator
+import jax
 import numpy as np
 
 _HEADER = struct.Struct("<4sIQIQ")  # magic, items, inserted before the batch, crc32 of the payload, payload bytes
@@ -74,8 +75,6 @@ class IngestLog:
     def append(self, inserted_before: int, batch, n: int) -> None:
         """Log a batch of ``n`` items (already checked against the spec) that the shard has just ingested; returns
         once the bytes are with the operating system."""
-        import jax
-
         leaves = jax.tree_util.tree_leaves(batch)
         payload = b"".join(np.ascontiguousarray(np.asarray(leaf), dtype=dtype).tobytes()
                            for leaf, dtype in zip(leaves, self._dtypes))
@@ -108,8 +107,6 @@ class IngestLog:
                 expected = before + n
 
     def _unpack(self, payload: bytes, n: int):
-        import jax
-
         leaves, offset = [], 0
         for shape, dtype, item_bytes in zip(self._item_shapes, self._dtypes, self._item_bytes):
             size = n * item_bytes
