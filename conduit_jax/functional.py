@@ -65,6 +65,10 @@ class Buffer(NamedTuple):
     can_sample(state, batches=None) -> bool[]: whether ``sample`` would deliver a valid batch now.
     size(state) -> int32[]: items stored now (at most the capacity).
     set_policy_version(state, version) -> state: the learner's policy version (with ``staleness``).
+    retire(state, ids) -> state: never draw these items again (prioritized and sequence samplers; an id whose slot
+      was rewritten since is ignored). What an episode buffer that evicts whole episodes needs.
+    read(state, rows) -> data: the items stored in global rows (``ids[:, 0]``), e.g. to follow links between items.
+    item_ids(items) -> int32[n, 2] (host NumPy): the id of the ``items[i]``-th item ever ingested (0-based).
     """
 
     config: ReplayConfig
@@ -76,6 +80,9 @@ class Buffer(NamedTuple):
     can_sample: Callable[..., jax.Array]
     size: Callable[[ReplayState], jax.Array]
     set_policy_version: Callable[[ReplayState, Any], ReplayState]
+    retire: Callable[[ReplayState, Any], ReplayState]
+    read: Callable[[ReplayState, Any], Any]
+    item_ids: Callable[[Any], np.ndarray]
 
 
 def configure(spec, capacity: int, sampler: Optional[Sampler] = None, *, limiter: Optional[Limiter] = None,
@@ -182,14 +189,11 @@ def bind(config: ReplayConfig, shardings) -> Buffer:
         if sampler.update is None:
             raise ConfigError(f"Buffer.update(): the {sampler.name} sampler has no priorities; build the buffer "
                               f"with samplers.prioritized(...) to use them")
-        ids, priorities = jnp.asarray(ids), jnp.asarray(priorities)
-        if ids.ndim != 2 or ids.shape[1] != 2 or not jnp.issubdtype(ids.dtype, jnp.integer):
-            raise PriorityError(f"Buffer.update(): ids must be an integer array of shape (m, 2) as in Delivery.ids, "
-                                f"got {ids.dtype}{list(ids.shape)}")
+        ids, priorities = _checked_ids(ids, "Buffer.update()"), jnp.asarray(priorities)
         if priorities.shape != (ids.shape[0],) or not jnp.issubdtype(priorities.dtype, jnp.number):
             raise PriorityError(f"Buffer.update(): priorities must be real numbers of shape ({ids.shape[0]},), one "
                                 f"per id, got {priorities.dtype}{list(priorities.shape)}")
-        ids, priorities = ids.astype(jnp.int32), priorities.astype(jnp.float32)
+        priorities = priorities.astype(jnp.float32)
         # inside a trace nothing can be refused: ids of no stored item (the -1 of an invalid delivery, rows out of
         # range) and priorities that are NaN, infinite or negative are skipped, and the rest applies
         valid = ((ids[:, 0] >= 0) & (ids[:, 0] < config.capacity) & (ids[:, 1] >= 1) & jnp.isfinite(priorities)
@@ -204,8 +208,33 @@ def bind(config: ReplayConfig, shardings) -> Buffer:
                                               jnp.maximum(version, state.policy_version))  # versions never go back
         return engine.placed(new_state, shardings)
 
+    def retire(state: ReplayState, ids) -> ReplayState:
+        if sampler.retire is None:
+            raise ConfigError(f"Buffer.retire(): the {sampler.name} sampler keeps no index to remove items from; "
+                              f"build the buffer with samplers.prioritized(...) (alpha=0 draws uniformly)")
+        ids = _checked_ids(ids, "Buffer.retire()")
+        valid = (ids[:, 0] >= 0) & (ids[:, 0] < config.capacity) & (ids[:, 1] >= 1)
+        new_sampler = replay.retire(config, engine.computable(state, shardings), ids, valid)
+        return engine.placed(state.replace(sampler=new_sampler), shardings)
+
+    def read(state: ReplayState, rows):
+        rows = jnp.asarray(rows)
+        if rows.ndim != 1 or not jnp.issubdtype(rows.dtype, jnp.integer):
+            raise ConfigError(f"Buffer.read(): rows must be a 1-d integer array (ids[:, 0]), got "
+                              f"{rows.dtype}{list(rows.shape)}")
+        return replay.read(config, engine.computable(state, shardings), rows.astype(jnp.int32))
+
     return Buffer(config, shardings, init, ingest, sample, update, can_sample,
-                  lambda state: replay.size(config, engine.computable(state, shardings)), set_policy_version)
+                  lambda state: replay.size(config, engine.computable(state, shardings)), set_policy_version,
+                  retire, read, functools.partial(replay.item_ids, config))
+
+
+def _checked_ids(ids, where: str) -> jax.Array:
+    ids = jnp.asarray(ids)
+    if ids.ndim != 2 or ids.shape[1] != 2 or not jnp.issubdtype(ids.dtype, jnp.integer):
+        raise PriorityError(f"{where}: ids must be an integer array of shape (m, 2) as in Delivery.ids, got "
+                            f"{ids.dtype}{list(ids.shape)}")
+    return ids.astype(jnp.int32)
 
 
 def _padded(leaf: jax.Array, rows: int) -> jax.Array:

@@ -316,6 +316,55 @@ def update(config: ReplayConfig, state: ReplayState, ids, priorities, valid):
     return _shard_mapped(config, per_shard, (specs, P(), P(), P()), specs.sampler)(state, ids, priorities, valid)
 
 
+def retire(config: ReplayConfig, state: ReplayState, ids, valid):
+    """Never draw the items named by ``ids`` (int32[m, 2]) again where ``valid``: their mass becomes 0 until their
+    slot is rewritten (an id whose slot was rewritten since names another item and is ignored). Returns the new
+    sampler state. O(capacity): each shard rebuilds its index from the leaves once, however many ids."""
+    specs = partition_specs(config)
+
+    def per_shard(state: ReplayState, ids, valid):
+        view = _shard_view(config, state.storage)
+        rows, generation = ids[:, 0], ids[:, 1]
+        slot = rows % view.shard_capacity
+        live = generation == storage.slot_generation(view.cursor, view.laps, slot)
+        mine = valid & live & (rows // view.shard_capacity == view.shard_index)
+        stale = jnp.zeros((view.shard_capacity,), jnp.bool_)
+        stale = stale.at[jnp.where(mine, slot, view.shard_capacity)].set(True, mode="drop")
+        return config.sampler.retire(state.sampler, stale)
+
+    return _shard_mapped(config, per_shard, (specs, P(), P()), specs.sampler)(state, ids, valid)
+
+
+def read(config: ReplayConfig, state: ReplayState, rows):
+    """The items stored in global ``rows`` (int32[m], the first column of their ids), replicated: each shard
+    gathers the rows it owns and one sum combines them (the others contribute zeros). A row out of range reads as
+    zeros."""
+    specs = partition_specs(config)
+    layout = config.layout
+
+    def per_shard(state: ReplayState, rows):
+        st = state.storage
+        local = rows - _shard_index(config) * config.shard_capacity
+        mine = (local >= 0) & (local < config.shard_capacity)
+        at = config.ring_row(jnp.where(mine, local, 0))
+        words = layout.to_words(storage.gather(st.rows, at))
+        words = jnp.where(mine[:, None], words, jnp.uint32(0))
+        return lax.psum(words, config.axes) if config.num_shards > 1 else words
+
+    words = _shard_mapped(config, per_shard, (specs, P()), P())(state, rows)
+    return layout.unpack(words)
+
+
+def item_ids(config: ReplayConfig, items) -> np.ndarray:
+    """Host NumPy: the id (global row, generation) of the ``items[i]``-th item ever ingested (0-based). Items are
+    dealt round-robin: item g goes to shard ``g % S`` as that shard's ``g // S``-th item."""
+    items = np.asarray(items, np.int64)
+    shards, per_shard = config.num_shards, config.shard_capacity
+    local = items // shards
+    rows = (items % shards) * per_shard + local % per_shard
+    return np.stack([rows, local // per_shard + 1], axis=-1).astype(np.int32)
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # policy version
 # ------------------------------------------------------------------------------------------------------------------

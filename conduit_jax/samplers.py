@@ -485,13 +485,18 @@ def _has_mass(state: PriorityState, size):
 
 
 def prioritized(batch_size: int, alpha: float = 0.6, beta=0.4, eps: float = 1e-6,
-                max_times_sampled: Optional[int] = None) -> Sampler:
+                max_times_sampled: Optional[int] = None, normalise: str = "batch") -> Sampler:
     """Prioritized experience replay over the whole buffer: P(i) = (p_i + eps)^alpha / sum_k (p_k + eps)^alpha,
-    stratified draws, importance weights (N * P(i))^-beta normalised by the batch maximum. ``beta`` may be a schedule
-    (a function of the sample step, e.g. ``optax.linear_schedule(0.4, 1.0, 100_000)``). New items get the largest
-    priority seen so far. ``max_times_sampled`` retires an item after that many deliveries (``alpha=0`` makes this
-    uniform sampling with a delivery limit)."""
+    stratified draws, importance weights (N * P(i))^-beta. ``normalise="batch"`` divides them by the batch maximum;
+    ``"buffer"`` by the largest weight any stored item could get, (N * P_min)^-beta with P_min the smallest
+    probability of a drawable item (RLlib's and OpenAI baselines' convention: a weight does not depend on what else
+    the batch drew; it costs one O(capacity) reduction per draw). ``beta`` may be a schedule (a function of the
+    sample step, e.g. ``optax.linear_schedule(0.4, 1.0, 100_000)``). New items get the largest priority seen so far.
+    ``max_times_sampled`` retires an item after that many deliveries (``alpha=0`` makes this uniform sampling with a
+    delivery limit)."""
     _check_batch_size(batch_size, "prioritized")
+    if normalise not in ("batch", "buffer"):
+        raise ConfigError(f"samplers.prioritized(): normalise must be 'batch' or 'buffer', got {normalise!r}")
 
     def on_insert(state: PriorityState, view: InsertView):
         value = _mass(state.max_priority, alpha, eps, view.num_shards * view.shard_capacity)
@@ -499,8 +504,23 @@ def prioritized(batch_size: int, alpha: float = 0.6, beta=0.4, eps: float = 1e-6
                                  view.shard_capacity)
         return replace(state, levels=levels)
 
-    return _priority_sampler("prioritized", batch_size, alpha, beta, eps, on_insert, max_times_sampled)._replace(
-        params=_params(batch_size=batch_size, alpha=alpha, beta=beta, eps=eps, max_times_sampled=max_times_sampled))
+    base = _priority_sampler("prioritized", batch_size, alpha, beta, eps, on_insert, max_times_sampled)
+    extra = {} if normalise == "batch" else {"normalise": normalise}  # older checkpoints' metadata stays as it was
+    params = _params(batch_size=batch_size, alpha=alpha, beta=beta, eps=eps, max_times_sampled=max_times_sampled,
+                     **extra)
+    if normalise == "batch":
+        return base._replace(params=params)
+    beta_at = _as_schedule(beta, "beta", "samplers.prioritized()")
+
+    def weigh(state: PriorityState, probability, size):
+        """(P(i) / P_min)^-beta: the N of (N * P)^-beta cancels, and P(i) / P_min = mass_i / smallest mass."""
+        leaves = state.levels[-1]
+        smallest = jnp.min(jnp.where(leaves > 0, leaves, jnp.inf))
+        total = jnp.sum(state.levels[0])
+        ratio = jnp.maximum(probability * total / smallest, 1.0)  # >= 1 up to rounding: every weight is in (0, 1]
+        return jnp.power(ratio, -beta_at(state.counter - 1))
+
+    return base._replace(params=params, weigh=weigh)
 
 
 # ------------------------------------------------------------------------------------------------------------------

@@ -283,3 +283,46 @@ def test_the_readme_runs_top_to_bottom_as_written(tmp_path):
     lines = result.stdout.splitlines()
     assert lines[:2] == ["12000 True", "12000"]  # the Quickstart's two prints
     assert "(64, 8) P('shard',)" in lines  # the plane block's delivery, sharded on the batch axis
+
+
+# -- retire, read, item ids, buffer-normalised weights ----------------------------------------------------------------
+@pytest.mark.parametrize("shards", [1, 8])
+def test_item_ids_read_and_retire(shards):
+    """``item_ids`` names the g-th item as the delivery does, ``read`` returns what those rows hold, and a retired item
+    is never drawn again: 16,384 draws after retiring 24 of 40 live items (3 of them overwritten since: ignored)."""
+    from scipy import stats
+
+    capacity = 32
+    buffer = cj.make_buffer(SPEC, capacity, samplers.prioritized(64, alpha=0.0), mesh=cj.default_mesh(shards))
+    state = jax.jit(buffer.ingest)(buffer.init(3), items(0, 40))  # items 8..39 live
+    ids = buffer.item_ids(np.arange(40))
+    np.testing.assert_array_equal(ids, expected_ids(np.arange(40), shards, capacity // shards))
+    data = jax.jit(buffer.read)(state, ids[8:, 0])
+    np.testing.assert_array_equal(np.asarray(data["g"]), np.arange(8, 40))
+    np.testing.assert_array_equal(np.asarray(data["obs"]), np.asarray(items(8, 32)["obs"]))
+    gone = np.arange(5, 29)  # 5..7 were overwritten by 37..39: their ids name nothing now
+    state = jax.jit(buffer.retire)(state, ids[gone])
+    sample = jax.jit(buffer.sample)
+    counts = np.zeros(40, np.int64)
+    for _ in range(256):
+        state, delivery = sample(state)
+        counts += np.bincount(np.asarray(delivery.data["g"]), minlength=40)
+    assert not counts[:29].any(), "a retired or overwritten item was drawn"
+    assert stats.chisquare(counts[29:]).pvalue > 1e-3  # alpha 0: uniform over what is left
+    with pytest.raises(cj.ConfigError, match="retire"):
+        cj.make_buffer(SPEC, capacity, samplers.uniform(8), mesh=cj.default_mesh(1)).retire(state, ids[:2])
+
+
+def test_buffer_normalised_weights_divide_by_the_smallest_probability():
+    """normalise="buffer": w_i = (p_i / p_min)^-beta over every stored item, whatever the batch drew."""
+    buffer = cj.make_buffer(SPEC, 16, samplers.prioritized(8, alpha=1.0, beta=0.5, eps=1e-9, normalise="buffer"),
+                            mesh=cj.default_mesh(1))
+    state = jax.jit(buffer.ingest)(buffer.init(0), items(0, 16))
+    ids = buffer.item_ids(np.arange(16))
+    priorities = np.linspace(0.5, 8.0, 16).astype(np.float32)
+    state = jax.jit(buffer.update)(state, ids, priorities)
+    state, delivery = jax.jit(buffer.sample)(state)
+    g = np.asarray(delivery.data["g"])
+    np.testing.assert_allclose(np.asarray(delivery.weights), (priorities[g] / 0.5) ** -0.5, rtol=1e-5)
+    with pytest.raises(cj.ConfigError, match="normalise"):
+        samplers.prioritized(8, normalise="max")
