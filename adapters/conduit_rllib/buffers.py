@@ -1,4 +1,5 @@
-"""Drop-in replay buffers for RLlib's new API stack (ray 2.60) backed by a Conduit ``ExperienceDataPlane``.
+"""Drop-in replay buffers for RLlib's new API stack (ray 2.60) that keep RLlib's buffer contract, backed by Conduit's
+functional core (``conduit_jax.make_buffer``).
 
 Select one with an import string (RLlib 2.60 crashes on a class object; a name containing ``EpisodeReplayBuffer``
 also receives ``metrics_num_episodes_for_smoothing``)::
@@ -6,46 +7,56 @@ also receives ``metrics_num_episodes_for_smoothing``)::
     config.training(replay_buffer_config={
         "type": "conduit_rllib.ConduitPrioritizedEpisodeReplayBuffer",  # DQN / SAC with PER
         "capacity": 50_000, "alpha": 0.6, "beta": 0.4,
-        "n_step": 3,            # the longest n-step the algorithm asks for (DQN's ``n_step``); default 1
         "deliver": "episodes",  # or "torch": the learner receives the batch through DLPack (see learners.py)
     })
 
-``ConduitEpisodeReplayBuffer`` is the uniform variant (RLlib's ``EpisodeReplayBuffer``). The prioritized one
-subclasses ``PrioritizedEpisodeReplayBuffer`` because RLlib's DQN calls ``update_priorities`` only on such buffers;
-neither runs its RLlib parent's constructor (no Python episode deque, no segment trees).
+``ConduitEpisodeReplayBuffer`` stands for RLlib's ``EpisodeReplayBuffer``, ``ConduitPrioritizedEpisodeReplayBuffer``
+for ``PrioritizedEpisodeReplayBuffer`` (it subclasses it because RLlib's DQN calls ``update_priorities`` only on such
+buffers). Neither runs its RLlib parent's constructor (no Python episode deque, no segment trees).
 
-What happens where:
+What RLlib users can rely on, as RLlib defines it:
 
-* ``add(episodes)``: every episode chunk becomes columns, one item per env step: ``obs``, ``action``, ``reward``,
-  ``terminated``, ``truncated``, ``next_obs`` and ``cut`` (True at the last step of a chunk whose episode goes on),
-  concatenated into one ``plane.ingest`` (64-bit leaves narrowed to 32 bits). Chunks are stored one after another
-  in a single stream; the episode ends (``terminated`` / ``truncated`` / ``cut``) keep n-step windows inside one
-  chunk.
-* ``sample(num_items, n_step, gamma, beta, ...)``: the plane samples windows of ``n_step`` (the buffer's) steps with
-  ``samplers.sequences(pad=True)`` (with ``n_step`` 1: items, with ``samplers.prioritized`` / ``uniform``; prioritized: P ∝ (p + eps)^alpha, new items at the max priority), then one jitted
-  kernel applies ``transforms.n_step`` (n-step return over the steps of the window's first episode, truncated to the
-  requested n or a per-item n drawn from a ``(low, high)`` range) and builds RLlib's train-batch columns ``obs``,
-  ``new_obs``, ``actions``, ``rewards``, ``terminateds``, ``truncateds``, ``n_step`` (steps actually used),
-  ``weights``. Returned as RLlib expects from ``sample_episodes=True`` (a list of 1-step ``SingleAgentEpisode``) or,
-  with ``deliver="torch"``, as a ``ConduitBatch`` the Conduit learners turn into torch tensors through DLPack.
-* ``update_priorities(td_errors)``: ``|td|`` for the ids of the last batch, applied by the plane's kernel (an id whose
-  slot was overwritten since is ignored).
-* ``get_state()`` / ``set_state()``: NumPy arrays (every leaf of the plane's state), JSON-able metadata and counters;
-  no pickled objects. ``checkpoint.py`` writes them as ``.npz`` + ``.json``.
+* **Episodes and eviction.** ``add(episodes)`` stores every step; a chunk whose episode id is stored already is
+  appended to that episode. When more than ``capacity`` steps are stored, whole oldest episodes are evicted (never
+  the last one left), with RLlib's rule for each class: the uniform buffer checks after each added episode, the
+  prioritized one once per ``add`` and drops the new chunks of an episode it evicts. ``get_num_timesteps``,
+  ``get_num_episodes``, ``get_num_episodes_evicted``, ``get_added_timesteps``, ``get_sampled_timesteps`` and the
+  metrics count as RLlib counts; ``buffer.episodes`` lists the stored episodes (``id_`` and ``len()``). An evicted
+  step is never sampled again.
+* **n-step transitions.** ``sample(num_items, n_step=n, gamma=...)`` returns ``(o_t, a_t, sum_k gamma^k r_(t+k),
+  o_(t+n))``, terminated / truncated when ``t + n`` is the episode's end. The prioritized buffer redraws a step whose
+  episode ends within n steps (RLlib's resampling); the uniform one uses the steps the episode has (RLlib's clipped
+  slice). Its ``n_step`` column then says how many steps were used, where RLlib reports the requested n although
+  its own reward sum covers fewer: we follow the formula. ``n_step=(low, high)`` draws n per item in ``[low, high)``.
+* **Priorities.** Drawn with probability ``p^alpha / sum p^alpha`` (RLlib's default ``alpha`` is 1.0), new steps at
+  the largest priority seen, ``update_priorities(td)`` sets ``|td|`` (+1e-12, RLlib's floor) for the last batch.
+  Importance weights are ``(N P(i))^-beta / (N P_min)^-beta`` with ``P_min`` the smallest probability of any stored
+  step, ``beta`` given to ``sample`` (default 0.0, as RLlib: all weights 1). The ``beta`` key of the config is
+  accepted because RLlib passes it; DQN hands it to every ``sample`` call.
+* **infos and extra_model_outputs.** Stored as columns when they are array-like (numbers or arrays with the same
+  keys and shapes in every step); ``include_infos`` returns the infos of ``o_t`` and ``o_(t+n)``,
+  ``include_extra_model_outputs`` those of step t. Anything else (strings, nested dicts, keys that change between
+  episodes) is refused at ``add`` with the key named, before anything is stored.
+* **Dtypes.** 64-bit leaves are stored as 32-bit (float64 -> float32: relative error <= 6e-8; int64 -> int32: values
+  outside int32 are refused at ``add``). Rewards are float32; n-step sums are computed in float32.
+* ``get_state()`` / ``set_state()``: NumPy arrays and JSON-able metadata, nothing pickled (``checkpoint.py``).
 
-Differences from RLlib's buffers, on purpose: a window that meets an episode end or a chunk cut within n steps is
-used with the steps it has (``n_step`` column = steps used, bootstrapping from the last one unless terminated) where
-RLlib resamples; capacity counts steps in a ring (the oldest steps are overwritten) where RLlib evicts whole episodes;
-importance weights are normalised by the batch maximum (RLlib: by the global minimum priority). Not supported yet
-(``NotImplementedError``): multi-agent episodes, sequence sampling for stateful modules (``batch_length_T`` > 1,
-``lookback`` > 0), ``include_infos`` / ``include_extra_model_outputs``, ``sample_episodes=False``, non-array
-observations (Dict / Tuple spaces).
+How: steps are items of a Conduit buffer (``samplers.prioritized``; ``alpha=0`` for the uniform class) in a ring of
+``2 * capacity`` steps, so the steps RLlib keeps are always stored while evicted ones wait to be overwritten
+(``Buffer.retire`` takes them out of sampling at once). Each step links to the next step of its episode; one jitted
+kernel draws, follows the links for n-step windows (``Buffer.read``), redraws what RLlib would, and computes the
+weights. An ``add`` that would overwrite a step RLlib keeps (one episode longer than ``2 * capacity``) is refused with
+a ``ValueError`` and changes nothing.
+
+Not supported yet (``NotImplementedError``): multi-agent episodes, sequences for stateful modules
+(``batch_length_T`` > 1, ``lookback`` > 0, the uniform buffer's ``sample_episodes=False``), non-array observations
+(Dict / Tuple spaces), ``schedule`` other than ``"sync"``.
 """
 
 from __future__ import annotations
 
 import collections
-import functools
+import dataclasses
 import logging
 import time
 from typing import Any, Optional, Union
@@ -62,18 +73,18 @@ from ray.rllib.utils.metrics.metrics_logger import MetricsLogger
 from ray.rllib.utils.replay_buffers.episode_replay_buffer import EpisodeReplayBuffer
 from ray.rllib.utils.replay_buffers.prioritized_episode_buffer import PrioritizedEpisodeReplayBuffer
 
-from conduit_jax import ExperienceDataPlane, ExperienceSpec, default_mesh, samplers, schedule, transforms
+from conduit_jax import ExperienceSpec, default_mesh, make_buffer, samplers
 
 logger = logging.getLogger(__name__)
 
-END_KEYS = ("terminated", "truncated", "cut")
 STATE_FORMAT = "conduit_rllib.episode_replay_buffer"
-STATE_VERSION = 1
+STATE_VERSION = 2
+STORAGE_FACTOR = 2  # the ring holds this many times `capacity` steps (see the module docstring)
+PRIORITY_FLOOR = 1e-12  # RLlib's smallest priority
 _NARROW = {np.dtype(np.int64): np.dtype(np.int32), np.dtype(np.uint64): np.dtype(np.uint32),
            np.dtype(np.float64): np.dtype(np.float32)}
-_SCHEDULES = {"sync": schedule.sync, "overlap": schedule.overlap, "deferred": schedule.deferred,
-              "adaptive": schedule.adaptive}
 _KNOWN_KWARGS = {"type", "metrics_num_episodes_for_smoothing"}
+_BASE_COLUMNS = ("obs", "next_obs", "action", "reward", "terminated", "truncated")
 
 
 class ConduitBatch(list):
@@ -108,39 +119,67 @@ class _Placeholder:
             "ConduitDQNTorchLearner or ConduitSACTorchLearner)) or set replay_buffer_config['deliver'] = 'episodes'.")
 
 
-def _narrow(dtype: np.dtype) -> np.dtype:
-    return _NARROW.get(np.dtype(dtype), np.dtype(dtype))
+@dataclasses.dataclass
+class StoredEpisode:
+    """An episode the buffer keeps (what ``buffer.episodes`` lists): its id, the steps stored, whether it has ended,
+    and where its chunks went (``segments``: first item index and step count of each chunk, in order)."""
+
+    id_: Any
+    length: int = 0
+    is_terminated: bool = False
+    is_truncated: bool = False
+    segments: list = dataclasses.field(default_factory=list)
+
+    def __len__(self) -> int:
+        return self.length
+
+    def items(self) -> np.ndarray:
+        """Insertion indices of its steps, oldest first."""
+        if not self.segments:
+            return np.zeros((0,), np.int64)
+        return np.concatenate([np.arange(first, first + count, dtype=np.int64) for first, count in self.segments])
 
 
-@functools.partial(jax.jit, static_argnames=("gamma",))
-def _finish(data, mask, weights, n, beta_ratio, *, gamma: float):
-    """Windows [B, L] (or items [B] with ``mask`` None) -> RLlib's n-step train-batch columns [B]."""
-    if mask is None:
-        data = jax.tree_util.tree_map(lambda x: x[:, None], data)
-        mask = jnp.ones((n.shape[0], 1), jnp.bool_)
-    steps = mask.shape[1]
-    mask = mask & (jnp.arange(steps, dtype=jnp.int32)[None, :] < n[:, None])
-    out = transforms.n_step(data, mask, gamma)
-    count = jnp.sum(mask.astype(jnp.int32), axis=1)
-    last = jnp.maximum(count - 1, 0)
+@dataclasses.dataclass
+class _Chunk:
+    """One added episode chunk, its columns checked and narrowed, before anything is stored."""
 
-    def at_last(x):
-        return jnp.take_along_axis(x, last.reshape((-1,) + (1,) * (x.ndim - 1)), axis=1)[:, 0]
+    id_: Any
+    columns: dict
+    length: int
+    is_terminated: bool
+    is_truncated: bool
+    keys: dict = dataclasses.field(default_factory=dict)  # extra / info column -> the key it came from
+    record: Optional[StoredEpisode] = None  # where it goes (set while planning the add)
 
-    if weights is None:
-        weights = jnp.ones(count.shape, jnp.float32)
-    else:
-        weights = jnp.power(weights, beta_ratio)
-    return {
-        Columns.OBS: out["obs"],
-        Columns.NEXT_OBS: out["next_obs"],
-        Columns.ACTIONS: out["action"],
-        Columns.REWARDS: out["reward"],
-        Columns.TERMINATEDS: at_last(data["terminated"]),
-        Columns.TRUNCATEDS: at_last(data["truncated"]),
-        "n_step": count,
-        "weights": weights.astype(jnp.float32),
-    }
+
+def _narrowed(name: str, where: str, key: str, values) -> np.ndarray:
+    """``values`` as a storable array: 64-bit narrowed to 32-bit (integers checked to fit), numbers only."""
+    array = np.asarray(values)
+    if array.dtype.kind not in "biuf":
+        raise ValueError(f"{name}.add(): {where} {key!r} holds {array.dtype} values ({type(values).__name__}); only "
+                         f"numbers and numeric arrays can be stored (nothing was added)")
+    target = _NARROW.get(array.dtype, array.dtype)
+    if target.kind in "iu" and target != array.dtype and array.size:
+        info = np.iinfo(target)
+        if array.min() < info.min or array.max() > info.max:
+            raise ValueError(f"{name}.add(): {where} {key!r} holds values outside {target} ([{array.min()}, "
+                             f"{array.max()}]), which the buffer stores them as (nothing was added)")
+    return array.astype(target, copy=False)
+
+
+def _pieces(n: int):
+    """(start, size) pieces of powers of two covering n rows: each size compiles one ingest kernel, ever."""
+    start, bit = 0, 1 << max(n.bit_length() - 1, 0)
+    while bit:
+        if n & bit:
+            yield start, bit
+            start += bit
+        bit >>= 1
+
+
+def _bucket(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
 
 
 class _ConduitEpisodeBuffer:
@@ -150,138 +189,324 @@ class _ConduitEpisodeBuffer:
 
     def __init__(self, capacity: int = 10000, *, batch_size_B: int = 16, batch_length_T: int = 1,
                  metrics_num_episodes_for_smoothing: int = 100, n_step: int = 1, alpha: float = 1.0,
-                 beta: float = 0.4, eps: float = 1e-6, num_shards: int = 1, seed: int = 0,
-                 deliver: str = "episodes", schedule: str = "sync", **kwargs):
+                 beta: float = 0.0, num_shards: int = 1, seed: int = 0, deliver: str = "episodes",
+                 schedule: str = "sync", **kwargs):
         # RLlib's parent constructors are not run on purpose (they allocate the Python episode deque and, for PER,
         # segment trees of 2 * capacity nodes); set what RLlib code reads from a buffer
+        name = type(self).__name__
         unknown = set(kwargs) - _KNOWN_KWARGS
         if unknown:
-            logger.warning("%s: ignoring unknown replay_buffer_config keys %s", type(self).__name__, sorted(unknown))
+            logger.warning("%s: ignoring unknown replay_buffer_config keys %s", name, sorted(unknown))
+        if not isinstance(capacity, (int, np.integer)) or isinstance(capacity, bool) or capacity < 1:
+            raise ValueError(f"{name}: capacity must be an int >= 1 (steps), got {capacity!r}")
         if not isinstance(n_step, int) or n_step < 1:
-            raise ValueError(f"{type(self).__name__}: n_step (the longest n-step window sampled) must be an int >= 1, "
-                             f"got {n_step!r}")
+            raise ValueError(f"{name}: n_step (the n-step the first kernel is compiled for) must be an int >= 1, got "
+                             f"{n_step!r}")
         if deliver not in ("episodes", "torch"):
-            raise ValueError(f"{type(self).__name__}: deliver must be 'episodes' or 'torch', got {deliver!r}")
-        if schedule not in _SCHEDULES:
-            raise ValueError(f"{type(self).__name__}: schedule must be one of {sorted(_SCHEDULES)}, got {schedule!r}")
-        if not (isinstance(alpha, (int, float)) and alpha >= 0):
-            raise ValueError(f"{type(self).__name__}: alpha must be >= 0, got {alpha!r}")
+            raise ValueError(f"{name}: deliver must be 'episodes' or 'torch', got {deliver!r}")
+        if schedule != "sync":
+            raise NotImplementedError(f"{name}: schedule={schedule!r}: only 'sync' is built for the RLlib buffers so "
+                                      f"far")
+        for key, value in (("alpha", alpha), ("beta", beta)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not np.isfinite(value) or value < 0:
+                raise ValueError(f"{name}: {key} must be a finite number >= 0, got {value!r}")
+        if not isinstance(num_shards, int) or num_shards < 1:
+            raise ValueError(f"{name}: num_shards must be an int >= 1, got {num_shards!r}")
         self.capacity = int(capacity)
         self.batch_size_B = int(batch_size_B)
         self.batch_length_T = batch_length_T
         self.n_step = n_step
-        self.alpha = float(alpha)
+        self.alpha = float(alpha) if self._prioritized else 0.0
         self.beta = float(beta)
-        self.eps = float(eps)
-        self.num_shards = int(num_shards)
+        self.num_shards = num_shards
         self.seed = int(seed)
         self.deliver = deliver
         self.schedule = schedule
-        self.episodes = collections.deque()  # stays empty: RLlib code may look at it
         self.rng = np.random.default_rng(seed)
         self.metrics = MetricsLogger(root=False)
         self._metrics_num_episodes_for_smoothing = metrics_num_episodes_for_smoothing
-        self.sampled_timesteps = 0
-        self._num_timesteps_added = 0
-        self._episodes_added = 0
-        self._open_episodes: collections.OrderedDict = collections.OrderedDict()  # id -> None, episodes going on
-        self._chunk_ends: collections.deque = collections.deque()  # global index of each stored chunk's last step
-        self.plane: Optional[ExperienceDataPlane] = None
         self.observation_space = None
         self.action_space = None
-        self._last_ids = None
-        self._n_cache: dict = {}
         self.timings = collections.defaultdict(float)  # seconds spent in add / sample / update_priorities
-        # the importance weights come from the plane with a fixed beta0 and are rescaled to the beta RLlib passes:
-        # w(beta) = w(beta0) ** (beta / beta0), exact because the weights are normalised by the batch maximum
-        self._beta0 = self.beta if self.beta > 0 else 1.0
+        storage = STORAGE_FACTOR * self.capacity
+        self.storage_capacity = storage + (-storage) % num_shards
+        self._reset()
 
-    # -- the plane ---------------------------------------------------------------------------------------------
-    def _sampler(self, batch_size: int):
-        if self.n_step == 1:
-            # plain items (conduit_jax's sequences(length=1, pad=True) fails in its mask: no time axis at window 1)
-            return samplers.prioritized(batch_size, self.alpha, self._beta0, self.eps) if self._prioritized \
-                else samplers.uniform(batch_size)
-        return samplers.sequences(batch_size, self.n_step, 1, pad=True, end_keys=END_KEYS,
-                                  alpha=self.alpha if self._prioritized else None, beta=self._beta0, eps=self.eps)
+    def _reset(self) -> None:
+        self._order: collections.deque = collections.deque()  # StoredEpisode, oldest first
+        self._live: dict = {}  # episode id -> StoredEpisode
+        self._num_timesteps = 0
+        self._num_timesteps_added = 0
+        self._num_episodes_evicted = 0
+        self.sampled_timesteps = 0
+        self._items = 0  # steps ever written to the ring (the next step's insertion index)
+        self._draws = 0  # sample kernels run (each one's candidate pick uses its own random key)
+        self._spec: Optional[ExperienceSpec] = None
+        self._keys: dict = {}  # extra_model_outputs / infos column -> the key it stores
+        self._buffers: dict = {}  # sampler batch size -> functional Buffer (all share one state)
+        self._kernels: dict = {}
+        self._state = None
+        self._next = None  # int32[ring]: row of the next step of the same episode, -1 where none is stored yet
+        self._last_ids = None
 
-    def _make_plane(self, spec: ExperienceSpec, batch_size: int) -> ExperienceDataPlane:
-        capacity = self.capacity
-        if capacity % self.num_shards:
-            capacity += self.num_shards - capacity % self.num_shards
-        batch = batch_size + (-batch_size) % self.num_shards
-        return ExperienceDataPlane(spec, capacity, self._sampler(batch), mesh=default_mesh(self.num_shards),
-                                   seed=self.seed, cast=True, schedule=_SCHEDULES[self.schedule]())
+    @property
+    def episodes(self) -> list:
+        """The stored episodes, oldest first (``id_``, ``len()``, ``is_terminated``, ``is_truncated``)."""
+        return list(self._order)
 
-    def _rebatch(self, batch_size: int) -> None:
-        """Another batch size: a plane with the same state and a sampler for that size (compiles once)."""
-        old = self.plane
-        new = self._make_plane(old.spec, batch_size)
-        # the sampler's state does not depend on the batch size, so the new plane takes the old state as it is
-        new.state = old.state
-        self.plane = new
+    # -- the functional buffer and its kernels --------------------------------------------------------------------
+    def _buffer(self, batch: int):
+        if batch not in self._buffers:
+            # beta 1 with buffer normalisation: weights (P / P_min)^-1, raised to the beta each sample() asks for
+            sampler = samplers.prioritized(batch, alpha=self.alpha, beta=1.0, eps=PRIORITY_FLOOR, normalise="buffer")
+            self._buffers[batch] = make_buffer(self._spec, self.storage_capacity, sampler,
+                                               mesh=default_mesh(self.num_shards))
+        return self._buffers[batch]
+
+    def _start(self, spec: ExperienceSpec) -> None:
+        self._spec = spec
+        buffer = self._buffer(self.num_shards)
+        self._state = buffer.init(self.seed)
+        self._next = jnp.full((self.storage_capacity,), -1, jnp.int32)
+
+    def _kernel(self, kind: str, *static):
+        key = (kind,) + static
+        if key not in self._kernels:
+            self._kernels[key] = getattr(self, f"_make_{kind}")(*static)
+        return self._kernels[key]
+
+    def _make_ingest(self):
+        buffer = self._buffer(self.num_shards)
+        return jax.jit(buffer.ingest, donate_argnums=0)
+
+    def _make_link(self):
+        return jax.jit(lambda links, rows, values: links.at[rows].set(values, mode="drop"), donate_argnums=0)
+
+    def _make_retire(self):
+        return jax.jit(self._buffer(self.num_shards).retire, donate_argnums=0)
+
+    def _make_update(self):
+        return jax.jit(self._buffer(self.num_shards).update, donate_argnums=0)
+
+    def _make_draw(self, candidates: int, size: int, longest: int, redraw: bool):
+        """One jitted draw: ``candidates`` steps by priority, their n-step windows followed through the links,
+        the first ``size`` whose window fits (``redraw``: RLlib's PER resampling) or all of them (windows clipped at
+        the episode's end), and the importance weights for ``beta``."""
+        buffer = self._buffer(candidates)
+        first_keys = [k for k in self._spec.names if k == "obs" or k == "action" or k.startswith(("extra__", "info__"))]
+        end_keys = ["next_obs", "terminated", "truncated"] + [k for k in self._spec.names if k.startswith("next_info__")]
+        prioritized = self._prioritized
+
+        def draw(state, links, n, beta, gamma, key):
+            state, delivery = buffer.sample(state)
+            rows = delivery.ids[:, 0]
+            last, going, fits = rows, jnp.ones(rows.shape, jnp.bool_), jnp.ones(rows.shape, jnp.bool_)
+            ret, used = delivery.data["reward"].astype(jnp.float32), jnp.ones(rows.shape, jnp.int32)
+            for k in range(1, longest):
+                following = links[last]
+                step = going & (k < n) & (following >= 0)
+                fits = fits & ((k >= n) | step)
+                reward = buffer.read(state, jnp.where(step, following, 0))["reward"]
+                ret = ret + jnp.where(step, jnp.power(gamma, k) * reward, 0.0)
+                last, used, going = jnp.where(step, following, last), used + step.astype(jnp.int32), step
+            end = buffer.read(state, last)
+            if redraw:
+                order = jnp.argsort(jnp.where(fits, jax.random.uniform(key, rows.shape), 2.0))[:size]
+                enough = jnp.sum(fits) >= size
+            else:
+                order, enough = jnp.arange(size), jnp.asarray(True)
+            weights = jnp.power(delivery.weights, beta) if prioritized else jnp.ones(rows.shape, jnp.float32)
+            columns = {Columns.OBS: delivery.data["obs"], Columns.NEXT_OBS: end["next_obs"],
+                       Columns.ACTIONS: delivery.data["action"], Columns.REWARDS: ret,
+                       Columns.TERMINATEDS: end["terminated"], Columns.TRUNCATEDS: end["truncated"],
+                       "n_step": used, "weights": weights.astype(jnp.float32)}
+            columns.update({k: delivery.data[k] for k in first_keys if k not in ("obs", "action")})
+            columns.update({k: end[k] for k in end_keys[3:]})
+            columns = {k: v[order] for k, v in columns.items()}
+            return state, columns, delivery.ids[order], enough & delivery.valid
+
+        return jax.jit(draw, donate_argnums=0)
 
     # -- add ------------------------------------------------------------------------------------------------------
+    def _chunk(self, episode) -> _Chunk:
+        """An episode chunk's columns, checked (nothing is stored before every chunk of an ``add`` passed)."""
+        name = type(self).__name__
+        if isinstance(episode, MultiAgentEpisode):
+            raise NotImplementedError(f"{name}: multi-agent episodes are not supported yet")
+        length = len(episode)
+        obs = episode.get_observations(slice(0, length + 1))
+        if isinstance(obs, list):  # an episode not yet turned into NumPy holds lists of per-step arrays
+            obs = np.asarray(obs)
+        if not isinstance(obs, np.ndarray) or obs.dtype == object:
+            raise NotImplementedError(f"{name}: observations must be arrays (Box / Discrete spaces); got "
+                                      f"{type(obs).__name__}")
+        obs = _narrowed(name, "observations", "obs", obs)
+        ends = np.zeros(length, np.bool_)
+        columns = {"obs": obs[:-1], "next_obs": obs[1:],
+                   "action": _narrowed(name, "actions", "action", episode.get_actions(slice(0, length))),
+                   "reward": np.asarray(episode.get_rewards(slice(0, length)), np.float32),
+                   "terminated": ends.copy(), "truncated": ends.copy()}
+        columns["terminated"][-1] = episode.is_terminated
+        columns["truncated"][-1] = episode.is_truncated
+        origin = {}  # column -> the extra_model_outputs / infos key it holds
+        for key in episode.extra_model_outputs.keys():
+            origin[f"extra__{key}"] = key
+            columns[f"extra__{key}"] = _narrowed(name, "extra_model_outputs key", key,
+                                                 episode.get_extra_model_outputs(key, slice(0, length)))
+        infos = episode.get_infos(slice(0, length + 1))
+        if any(infos):
+            keys = set(infos[0]) if isinstance(infos[0], dict) else None
+            for info in infos:
+                if not isinstance(info, dict) or set(info) != keys:
+                    raise ValueError(f"{name}.add(): every step's infos must be a dict with the same keys to be "
+                                     f"stored; episode {episode.id_!r} has {sorted(map(str, keys or ()))} and "
+                                     f"{info!r} (nothing was added)")
+            for key in sorted(keys, key=str):
+                values = _narrowed(name, "infos key", key, [info[key] for info in infos])
+                origin[f"info__{key}"] = origin[f"next_info__{key}"] = key
+                columns[f"info__{key}"], columns[f"next_info__{key}"] = values[:-1], values[1:]
+        if self.observation_space is None:
+            self.observation_space, self.action_space = episode.observation_space, episode.action_space
+        return _Chunk(episode.id_, columns, length, bool(episode.is_terminated), bool(episode.is_truncated), origin)
+
+    def _check_spec(self, spec: ExperienceSpec, chunk: _Chunk) -> None:
+        name = type(self).__name__
+        if set(chunk.columns) != set(spec.names):
+            raise ValueError(f"{name}.add(): episode {chunk.id_!r} has columns {sorted(chunk.columns)}, the buffer "
+                             f"stores {sorted(spec.names)} (infos / extra_model_outputs keys are fixed by the first "
+                             f"add; nothing was added)")
+        for key, shape, dtype in zip(spec.names, spec.shapes, spec.dtypes):
+            value = chunk.columns[key]
+            if value.shape[1:] != tuple(shape) or value.dtype != dtype:
+                raise ValueError(f"{name}.add(): episode {chunk.id_!r}: {key} is {value.dtype}{list(value.shape[1:])}"
+                                 f" per step, the buffer stores {dtype}{list(shape)} (nothing was added)")
+
+    def _plan(self, chunks: list):
+        """RLlib's eviction, on copies of the episode index: (order, live, written chunks, evicted episodes, pending
+        lengths, counters). The uniform buffer follows ``EpisodeReplayBuffer.add`` (evict after each episode while more
+        than ``capacity`` steps and more than one episode are stored), the prioritized one
+        ``PrioritizedEpisodeReplayBuffer.add`` (count every new step first, evict while over capacity and more than one
+        episode would remain, drop the new chunks of an evicted episode)."""
+        order, live = collections.deque(self._order), dict(self._live)
+        pending = collections.defaultdict(int)  # id(record) -> steps this add gives it
+        timesteps, added = self._num_timesteps, self._num_timesteps_added
+        evicted, episodes_added, steps_added = [], 0, 0
+
+        def evict():
+            old = order.popleft()
+            del live[old.id_]
+            evicted.append(old)
+            return old
+
+        def place(chunk):
+            nonlocal episodes_added
+            record = live.get(chunk.id_)
+            if record is None:
+                record = StoredEpisode(chunk.id_)
+                live[chunk.id_] = record
+                order.append(record)
+                episodes_added += 1
+            chunk.record = record
+            pending[id(record)] += chunk.length
+
+        if not self._prioritized:
+            for chunk in chunks:
+                timesteps += chunk.length
+                added += chunk.length
+                steps_added += chunk.length
+                place(chunk)
+                while timesteps > self.capacity and len(order) > 1:
+                    old = evict()
+                    timesteps -= old.length + pending[id(old)]
+        else:
+            new_ids = [chunk.id_ for chunk in chunks]
+            timesteps += sum(chunk.length for chunk in chunks)
+            added += sum(chunk.length for chunk in chunks)
+            evicted_ids = set()
+            while timesteps > self.capacity and order and len((set(live) | set(new_ids)) - evicted_ids) != 1:
+                old = evict()
+                evicted_ids.add(old.id_)
+                if old.id_ in new_ids:  # RLlib takes back the first new chunk of an episode it evicts
+                    first = chunks[new_ids.index(old.id_)].length
+                    timesteps -= first
+                    added -= first
+                timesteps -= old.length
+            for chunk in chunks:
+                if chunk.id_ in evicted_ids:
+                    continue
+                place(chunk)
+                steps_added += chunk.length
+        gone = {id(record) for record in evicted}
+        written = [chunk for chunk in chunks if id(chunk.record) not in gone]
+        return order, live, written, evicted, pending, timesteps, added, episodes_added, steps_added
+
     def add(self, episodes: Union[list, SingleAgentEpisode]) -> None:
         start = time.perf_counter()
-        episodes = force_list(episodes)
-        columns = collections.defaultdict(list)
-        steps = episodes_added = 0
-        for episode in episodes:
-            if isinstance(episode, MultiAgentEpisode):
-                raise NotImplementedError(f"{type(self).__name__}: multi-agent episodes are not supported yet")
-            length = len(episode)
-            if length == 0:
-                continue
-            obs = episode.get_observations(slice(0, length + 1))
-            if isinstance(obs, list):  # an episode not yet turned into NumPy holds lists of per-step arrays
-                obs = np.asarray(obs)
-            if not isinstance(obs, np.ndarray) or obs.dtype == object:
-                raise NotImplementedError(f"{type(self).__name__}: observations must be arrays (Box / Discrete "
-                                          f"spaces); got {type(obs).__name__}")
-            columns["obs"].append(obs[:-1])
-            columns["next_obs"].append(obs[1:])
-            columns["action"].append(np.asarray(episode.get_actions(slice(0, length))))
-            columns["reward"].append(np.asarray(episode.get_rewards(slice(0, length)), np.float32))
-            ends = {key: np.zeros(length, np.bool_) for key in END_KEYS}
-            ends["terminated"][-1] = episode.is_terminated
-            ends["truncated"][-1] = episode.is_truncated
-            ends["cut"][-1] = not episode.is_done
-            for key in END_KEYS:
-                columns[key].append(ends[key])
-            if episode.id_ not in self._open_episodes:
-                episodes_added += 1
-            if episode.is_done:
-                self._open_episodes.pop(episode.id_, None)
-            else:
-                self._open_episodes[episode.id_] = None
-                while len(self._open_episodes) > 100_000:  # ids of abandoned episodes
-                    self._open_episodes.popitem(last=False)
-            steps += length
-            self._chunk_ends.append(self._num_timesteps_added + steps - 1)
-            if self.observation_space is None:
-                self.observation_space, self.action_space = episode.observation_space, episode.action_space
-        if steps == 0:
+        name = type(self).__name__
+        chunks = [self._chunk(episode) for episode in force_list(episodes) if len(episode) > 0]
+        if not chunks:
             return
-        batch = {key: np.concatenate(parts) for key, parts in columns.items()}
-        if self.plane is None:
-            spec = ExperienceSpec.from_structs({key: jax.ShapeDtypeStruct(value.shape[1:], _narrow(value.dtype))
-                                                for key, value in batch.items()})
-            self.plane = self._make_plane(spec, self.batch_size_B)
-        self.plane.ingest(batch)
-        self._num_timesteps_added += steps
-        self._episodes_added += episodes_added
-        evicted = 0
-        oldest = self._num_timesteps_added - self.plane.capacity
-        while self._chunk_ends and self._chunk_ends[0] < oldest:
-            self._chunk_ends.popleft()
-            evicted += 1
-        self._log_add(steps, episodes_added, evicted)
+        spec = self._spec or ExperienceSpec.from_structs({k: jax.ShapeDtypeStruct(v.shape[1:], v.dtype)
+                                                          for k, v in chunks[0].columns.items()})
+        for chunk in chunks:
+            self._check_spec(spec, chunk)
+        if self._spec is None:
+            self._start(spec)
+            self._keys = dict(chunks[0].keys)
+        order, live, written, evicted, pending, timesteps, added, episodes_added, steps_added = self._plan(chunks)
+        # where the written chunks go, and whether every step RLlib keeps is still in the ring afterwards
+        item, segments, links = self._items, collections.defaultdict(list), []
+        for chunk in written:
+            record = chunk.record
+            before = record.segments + segments[id(record)]
+            if before:  # the episode's last stored step now continues into this chunk
+                links.append((before[-1][0] + before[-1][1] - 1, item))
+            segments[id(record)].append((item, chunk.length))
+            links.extend((item + i, item + i + 1) for i in range(chunk.length - 1))
+            links.append((item + chunk.length - 1, -1))
+            item += chunk.length
+        if order:
+            oldest = (order[0].segments or segments[id(order[0])])[0][0]
+            if oldest < item - self.storage_capacity:
+                raise ValueError(f"{name}.add(): after this add the buffer would keep {timesteps} steps, the oldest "
+                                 f"of episode {order[0].id_!r} {item - oldest} steps back, more than the "
+                                 f"{self.storage_capacity} steps it stores ({STORAGE_FACTOR} x capacity={self.capacity});"
+                                 f" raise capacity (nothing was added)")
+        # commit: write, link, retire the evicted steps, then the host index
+        batch = {key: np.concatenate([chunk.columns[key] for chunk in written]) for key in self._spec.names} \
+            if written else None
+        if batch is not None:
+            ingest = self._kernel("ingest")
+            for first, count in _pieces(item - self._items):
+                self._state = ingest(self._state, {k: v[first:first + count] for k, v in batch.items()})
+            sources, targets = (np.asarray(x, np.int64) for x in zip(*links))
+            rows = self._ids(sources)[:, 0]
+            values = np.where(targets >= 0, self._ids(np.maximum(targets, 0))[:, 0], -1).astype(np.int32)
+            pad = _bucket(rows.shape[0]) - rows.shape[0]
+            rows = np.concatenate([rows, np.full(pad, self.storage_capacity, np.int32)])
+            self._next = self._kernel("link")(self._next, rows, np.concatenate([values, np.zeros(pad, np.int32)]))
+        steps_evicted = sum(record.length + pending[id(record)] for record in evicted)
+        gone = [record.items() for record in evicted if record.segments]
+        if gone:
+            ids = self._ids(np.concatenate(gone))
+            ids = np.concatenate([ids, np.full((_bucket(ids.shape[0]) - ids.shape[0], 2), -1, np.int32)])
+            self._state = self._kernel("retire")(self._state, ids)
+        for chunk in written:
+            record = chunk.record
+            record.length += chunk.length
+            record.is_terminated, record.is_truncated = chunk.is_terminated, chunk.is_truncated
+        for record in {id(chunk.record): chunk.record for chunk in written}.values():
+            record.segments.extend(segments[id(record)])
+        self._order, self._live, self._items = order, live, item
+        self._num_timesteps, self._num_timesteps_added = timesteps, added
+        self._num_episodes_evicted += len(evicted)
+        self._log_add(steps_added, episodes_added, len(evicted), steps_evicted)
         self.timings["add"] += time.perf_counter() - start
 
-    def _log_add(self, steps: int, episodes_added: int, evicted: int) -> None:
-        stored_before = min(self._num_timesteps_added - steps, self.plane.capacity)
-        steps_evicted = max(0, stored_before + steps - self.plane.capacity)
+    def _ids(self, items) -> np.ndarray:
+        return self._buffer(self.num_shards).item_ids(items)
+
+    def _log_add(self, steps: int, episodes_added: int, evicted: int, steps_evicted: int) -> None:
         agent, module = {DEFAULT_AGENT_ID: episodes_added}, {DEFAULT_MODULE_ID: episodes_added}
         EpisodeReplayBuffer._update_add_metrics(
             self, num_episodes_added=episodes_added, num_env_steps_added=steps, num_episodes_evicted=evicted,
@@ -296,7 +521,7 @@ class _ConduitEpisodeBuffer:
     # -- sample ---------------------------------------------------------------------------------------------------
     def sample(self, num_items: Optional[int] = None, *, batch_size_B: Optional[int] = None,
                batch_length_T: Optional[int] = None, n_step: Optional[Union[int, tuple]] = None,
-               beta: Optional[float] = None, gamma: float = 0.99, include_infos: bool = False,
+               beta: float = 0.0, gamma: float = 0.99, include_infos: bool = False,
                include_extra_model_outputs: bool = False, sample_episodes: bool = True, to_numpy: bool = False,
                lookback: int = 0, min_batch_length_T: int = 0, **kwargs):
         start = time.perf_counter()
@@ -304,83 +529,101 @@ class _ConduitEpisodeBuffer:
         if num_items is not None and batch_size_B is not None:
             raise ValueError(f"{name}.sample(): pass num_items or batch_size_B, not both")
         size = num_items or batch_size_B or self.batch_size_B
+        if not isinstance(size, (int, np.integer)) or size < 1:
+            raise ValueError(f"{name}.sample(): the batch size must be an int >= 1, got {size!r}")
         if batch_length_T not in (None, 0, 1) or lookback:
             raise NotImplementedError(f"{name}.sample(): sequence sampling for stateful modules (batch_length_T="
                                       f"{batch_length_T}, lookback={lookback}) is not supported yet")
-        if include_infos or include_extra_model_outputs:
-            raise NotImplementedError(f"{name}.sample(): include_infos / include_extra_model_outputs are not "
-                                      f"supported yet (the plane stores obs, action, reward and episode ends)")
-        if not sample_episodes and self.deliver == "episodes":
-            raise NotImplementedError(f"{name}.sample(): sample_episodes=False (a SampleBatch) is not supported")
-        if self.plane is None:
+        if not sample_episodes and self.deliver == "episodes" and not self._prioritized:
+            raise NotImplementedError(f"{name}.sample(): sample_episodes=False (RLlib's [B, T] sequence batch) is not "
+                                      f"supported yet")
+        if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not np.isfinite(beta) or beta < 0:
+            raise ValueError(f"{name}.sample(): beta must be a finite number >= 0, got {beta!r}")
+        if self._num_timesteps == 0:
             raise ValueError(f"{name}.sample(): the buffer is empty; add() episodes first")
-        padded = size + (-size) % self.num_shards  # the plane's batch is a multiple of its shard count
-        n = self._n_per_item(n_step, padded)
-        if self.plane.batch_size != padded:
-            self._rebatch(padded)
-        delivery = self.plane.deliver()
-        beta = self.beta if beta is None else float(beta)
-        if beta < 0:
-            raise ValueError(f"{name}.sample(): beta must be >= 0, got {beta}")
-        columns = _finish(delivery.data, delivery.mask, delivery.weights, n, np.float32(beta / self._beta0),
-                          gamma=float(gamma))
-        if delivery.ids.shape[0] != size:  # batch rounded up to the shard count
-            columns = {k: v[:size] for k, v in columns.items()}
-            self._last_ids = delivery.ids[:size]
+        padded = size + (-size) % self.num_shards  # a multiple of the shard count
+        low, high = self._n_range(n_step)
+        redraw = self._prioritized and high > 1
+        # PER redraws a step whose episode ends within n steps: draw extra candidates so one call almost always has
+        # enough (another call when not)
+        candidates = padded + padded // 2 + 8 if redraw else padded
+        candidates += (-candidates) % self.num_shards
+        longest = _bucket(high)
+        draw = self._kernel("draw", candidates, padded, longest, redraw)
+        for attempt in range(64):
+            n = self.rng.integers(low, high + 1, size=candidates, dtype=np.int32) if low < high else \
+                np.full(candidates, low, np.int32)
+            key = jax.random.fold_in(jax.random.key(self.seed), self._draws)
+            self._draws += 1
+            self._state, columns, ids, enough = draw(self._state, self._next, n, np.float32(beta),
+                                                     np.float32(gamma), key)
+            if not redraw or bool(enough):
+                break
         else:
-            self._last_ids = delivery.ids
+            raise ValueError(f"{name}.sample(): 64 draws found fewer than {size} steps with n_step={n_step} more steps "
+                             f"in their episode; sample a smaller n_step or add longer episodes")
+        if padded != size:
+            columns, ids = {k: v[:size] for k, v in columns.items()}, ids[:size]
+        self._last_ids = ids
         self.sampled_timesteps += size
-        self._log_sample(size, n_step)
+        self._log_sample(size, n_step, attempt)
         if self.deliver == "torch":
-            out = ConduitBatch(columns, DEFAULT_MODULE_ID, size)
+            out = ConduitBatch(self._public(columns, include_infos, include_extra_model_outputs), DEFAULT_MODULE_ID,
+                               size)
         else:
-            out = self._episodes(columns, to_numpy)
+            out = self._episodes(columns, to_numpy, include_infos, include_extra_model_outputs)
         self.timings["sample"] += time.perf_counter() - start
         return out
 
-    def _n_per_item(self, n_step, size: int):
+    def _n_range(self, n_step) -> tuple[int, int]:
+        """The n-steps to draw from, inclusive: RLlib's ``(low, high)`` draws n in ``[low, high)``."""
         name = type(self).__name__
         if isinstance(n_step, (tuple, list)):
-            low, high = int(n_step[0]), int(n_step[1])
-            if not 1 <= low < high or high - 1 > self.n_step:
-                raise ValueError(f"{name}.sample(): n_step range {tuple(n_step)} must satisfy 1 <= low < high <= "
-                                 f"{self.n_step + 1} (the buffer samples windows of n_step={self.n_step}; set "
-                                 f"replay_buffer_config['n_step'] to the longest n-step)")
-            return self.rng.integers(low, high, size=size, dtype=np.int32)
-        n = 1 if n_step is None else int(n_step)
-        if not 1 <= n <= self.n_step:
-            raise ValueError(f"{name}.sample(): n_step={n} but the buffer samples windows of n_step={self.n_step}; "
-                             f"set replay_buffer_config['n_step'] = {n} (the algorithm's n_step)")
-        key = (n, size)
-        if key not in self._n_cache:
-            self._n_cache[key] = jnp.full((size,), n, jnp.int32)
-        return self._n_cache[key]
+            if len(n_step) != 2 or not all(isinstance(x, (int, np.integer)) for x in n_step) \
+                    or not 1 <= n_step[0] < n_step[1]:
+                raise ValueError(f"{name}.sample(): an n_step range must be (low, high) ints with 1 <= low < high, "
+                                 f"got {n_step!r}")
+            return int(n_step[0]), int(n_step[1]) - 1
+        n = 1 if n_step is None else n_step
+        if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"{name}.sample(): n_step must be an int >= 1 or a (low, high) range, got {n_step!r}")
+        return int(n), int(n)
 
-    def _log_sample(self, size: int, n_step) -> None:
+    def _public(self, columns: dict, infos: bool, extras: bool) -> dict:
+        """The train-batch columns asked for: RLlib's, plus extra_model_outputs / infos columns on request."""
+        return {k: v for k, v in columns.items() if not (k.startswith(("info__", "next_info__")) and not infos)
+                and not (k.startswith("extra__") and not extras)}
+
+    def _log_sample(self, size: int, n_step, resamples: int) -> None:
         mean_n = float(np.mean(n_step)) if isinstance(n_step, (tuple, list)) else float(n_step or 1)
         agent, module = DEFAULT_AGENT_ID, DEFAULT_MODULE_ID
         EpisodeReplayBuffer._update_sample_metrics(
             self, num_env_steps_sampled=size, num_episodes_per_sample=0, num_env_steps_per_sample=size,
-            sampled_n_step=mean_n, num_resamples=0, agent_to_num_steps_sampled={agent: size},
+            sampled_n_step=mean_n, num_resamples=resamples, agent_to_num_steps_sampled={agent: size},
             agent_to_num_episodes_per_sample={agent: 0}, agent_to_num_steps_per_sample={agent: size},
-            agent_to_sampled_n_step={agent: mean_n}, agent_to_num_resamples={agent: 0},
+            agent_to_sampled_n_step={agent: mean_n}, agent_to_num_resamples={agent: resamples},
             module_to_num_steps_sampled={module: size}, module_to_num_episodes_per_sample={module: 0},
             module_to_num_steps_per_sample={module: size}, module_to_sampled_n_step={module: mean_n},
-            module_to_num_resamples={module: 0})
+            module_to_num_resamples={module: resamples})
 
-    def _episodes(self, columns: dict, to_numpy: bool) -> list:
+    def _episodes(self, columns: dict, to_numpy: bool, infos: bool, extras: bool) -> list:
         """RLlib's 1-step episodes (o_t, a_t, G_t, o_{t+n}) with ``weights`` and ``n_step`` model outputs."""
         host = {k: np.asarray(v) for k, v in jax.device_get(columns).items()}
         obs, next_obs, actions = host[Columns.OBS], host[Columns.NEXT_OBS], host[Columns.ACTIONS]
         rewards, weights, steps = host[Columns.REWARDS], host["weights"], host["n_step"]
         terminated, truncated = host[Columns.TERMINATEDS], host[Columns.TRUNCATEDS]
+        extra_columns = [k for k in host if k.startswith("extra__")] if extras else []
+        info_columns = [k for k in host if k.startswith("info__")] if infos else []
         out = []
         for i in range(obs.shape[0]):
+            outputs = {"weights": [weights[i]], "n_step": [steps[i]]}
+            outputs.update({self._keys[k]: [host[k][i]] for k in extra_columns})
             episode = SingleAgentEpisode(
                 observations=[obs[i], next_obs[i]], observation_space=self.observation_space,
+                infos=[{self._keys[k]: host[k][i] for k in info_columns},
+                       {self._keys[k]: host["next_" + k][i] for k in info_columns}] if infos else None,
                 actions=[actions[i]], action_space=self.action_space, rewards=[rewards[i]],
-                terminated=bool(terminated[i]), truncated=bool(truncated[i]),
-                extra_model_outputs={"weights": [weights[i]], "n_step": [steps[i]]},
+                terminated=bool(terminated[i]), truncated=bool(truncated[i]), extra_model_outputs=outputs,
                 len_lookback_buffer=0, t_started=0)
             if to_numpy:
                 episode.to_numpy()
@@ -389,7 +632,8 @@ class _ConduitEpisodeBuffer:
 
     # -- priorities ---------------------------------------------------------------------------------------------
     def update_priorities(self, priorities, module_id: Optional[str] = None) -> None:
-        """New priorities ``|priorities|`` (RLlib passes TD errors) for the items of the last ``sample()``."""
+        """New priorities ``|priorities|`` (RLlib passes TD errors) for the steps of the last ``sample()``; a step
+        evicted or overwritten since is skipped."""
         name = type(self).__name__
         if not self._prioritized:
             raise NotImplementedError(f"{name} samples uniformly; use ConduitPrioritizedEpisodeReplayBuffer")
@@ -399,8 +643,11 @@ class _ConduitEpisodeBuffer:
         values = np.abs(np.asarray(priorities, dtype=np.float32).reshape(-1))
         if values.shape[0] != self._last_ids.shape[0]:
             raise ValueError(f"{name}.update_priorities(): {values.shape[0]} priorities for a batch of "
-                             f"{self._last_ids.shape[0]} items")
-        self.plane.update_priorities(self._last_ids, values)
+                             f"{self._last_ids.shape[0]} steps")
+        if not np.all(np.isfinite(values)):
+            raise ValueError(f"{name}.update_priorities(): priorities must be finite, got "
+                             f"{values[~np.isfinite(values)][:4].tolist()} (nothing was updated)")
+        self._state = self._kernel("update")(self._state, self._last_ids, values)
         self._last_ids = None
         self.timings["update_priorities"] += time.perf_counter() - start
 
@@ -409,14 +656,13 @@ class _ConduitEpisodeBuffer:
         return self.get_num_timesteps()
 
     def get_num_timesteps(self, module_id: Optional[str] = None) -> int:
-        return 0 if self.plane is None else min(self._num_timesteps_added, self.plane.capacity)
+        return self._num_timesteps
 
     def get_num_episodes(self, module_id: Optional[str] = None) -> int:
-        """Episode chunks with at least their last step still stored."""
-        return len(self._chunk_ends)
+        return len(self._order)
 
     def get_num_episodes_evicted(self, module_id: Optional[str] = None) -> int:
-        return 0
+        return self._num_episodes_evicted
 
     def get_added_timesteps(self, module_id: Optional[str] = None) -> int:
         return self._num_timesteps_added
@@ -427,29 +673,42 @@ class _ConduitEpisodeBuffer:
     def get_metrics(self):
         return self.metrics.reduce()
 
+    def stats(self) -> dict[str, int]:
+        """What RLlib's counters do not say: steps written to the ring (evicted ones included), its size, and
+        priority updates skipped because their step was evicted or overwritten since it was sampled."""
+        ignored = 0 if self._state is None else int(self._state.sampler.ignored_updates)
+        return {"steps_written": self._items, "storage_capacity": self.storage_capacity,
+                "priority_updates_ignored": ignored}
+
     # -- state ----------------------------------------------------------------------------------------------------
     def _config(self) -> dict:
-        return {"capacity": self.capacity, "batch_size_B": self.batch_size_B, "n_step": self.n_step,
-                "alpha": self.alpha, "beta": self.beta, "eps": self.eps, "num_shards": self.num_shards,
-                "seed": self.seed, "prioritized": self._prioritized}
+        return {"capacity": self.capacity, "batch_size_B": self.batch_size_B, "alpha": self.alpha,
+                "num_shards": self.num_shards, "seed": self.seed, "prioritized": self._prioritized}
 
     def get_state(self) -> dict[str, Any]:
         """The buffer as NumPy arrays plus JSON-able metadata: nothing pickled, nothing JAX."""
+        episodes = [{"id": record.id_, "length": record.length, "terminated": record.is_terminated,
+                     "truncated": record.is_truncated, "segments": np.asarray(record.segments, np.int64).reshape(-1)}
+                    for record in self._order]
         state = {"format": STATE_FORMAT, "version": STATE_VERSION, "config": self._config(),
-                 "counters": {"num_timesteps_added": self._num_timesteps_added,
-                              "sampled_timesteps": self.sampled_timesteps, "episodes_added": self._episodes_added,
-                              "chunk_ends": np.fromiter(self._chunk_ends, np.int64, len(self._chunk_ends))},
-                 "spec": None, "arrays": {}}
-        if self.plane is None:
+                 "counters": {"num_timesteps": self._num_timesteps, "num_timesteps_added": self._num_timesteps_added,
+                              "num_episodes_evicted": self._num_episodes_evicted,
+                              "sampled_timesteps": self.sampled_timesteps, "items": self._items,
+                              "draws": self._draws},
+                 "rng": self.rng.bit_generator.state, "episodes": episodes, "spec": None, "arrays": {}}
+        if self._spec is None:
             return state
-        spec = self.plane.spec
+        spec = self._spec
         state["spec"] = {"names": list(spec.names), "shapes": [list(s) for s in spec.shapes],
-                         "dtypes": [str(d) for d in spec.dtypes], "batch_size": self.plane.batch_size}
-        leaves = jax.tree_util.tree_flatten_with_path(self.plane.state)[0]
+                         "dtypes": [str(d) for d in spec.dtypes], "keys": [[k, v] for k, v in self._keys.items()]}
+        leaves = jax.tree_util.tree_flatten_with_path(self._state)[0]
         state["arrays"] = {jax.tree_util.keystr(path): np.array(leaf) for path, leaf in leaves}
+        state["arrays"]["links"] = np.array(self._next)
         return state
 
     def set_state(self, state: dict[str, Any]) -> None:
+        """Restore what ``get_state`` returned (from a buffer configured the same way); checked before anything
+        changes."""
         name = type(self).__name__
         if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
             raise ValueError(f"{name}.set_state(): not a Conduit buffer state (format {state.get('format')!r}; "
@@ -464,46 +723,58 @@ class _ConduitEpisodeBuffer:
         if differ:
             raise ValueError(f"{name}.set_state(): the state was saved by a buffer configured differently "
                              f"(saved, this): {differ}")
-        counters = state["counters"]
-        if state["spec"] is None:
-            self.plane = None
-        else:
+        spec = restored = links = None
+        if state["spec"] is not None:
             recorded = state["spec"]
             spec = ExperienceSpec.from_structs({n: jax.ShapeDtypeStruct(tuple(s), np.dtype(d)) for n, s, d in
                                                 zip(recorded["names"], recorded["shapes"], recorded["dtypes"])})
-            plane = self._make_plane(spec, int(recorded["batch_size"]))  # fresh: no cached sizes, no batch in flight
-            leaves, treedef = jax.tree_util.tree_flatten_with_path(plane.state)
-            arrays = state["arrays"]
+            buffer = make_buffer(spec, self.storage_capacity, samplers.prioritized(
+                self.num_shards, alpha=self.alpha, beta=1.0, eps=PRIORITY_FLOOR, normalise="buffer"),
+                mesh=default_mesh(self.num_shards))
+            template = jax.eval_shape(lambda: buffer.init(0))
+            leaves, treedef = jax.tree_util.tree_flatten_with_path(template)
+            shardings = jax.tree_util.tree_leaves(buffer.shardings)
+            arrays = dict(state["arrays"])
+            links = np.asarray(arrays.pop("links", None))
             names = [jax.tree_util.keystr(path) for path, _ in leaves]
-            if sorted(names) != sorted(arrays):
-                raise ValueError(f"{name}.set_state(): the state's arrays {sorted(arrays)} do not match this plane's "
-                                 f"{sorted(names)}")
+            if sorted(names) != sorted(arrays) or links.shape != (self.storage_capacity,):
+                raise ValueError(f"{name}.set_state(): the state's arrays {sorted(arrays)} do not match this buffer's "
+                                 f"{sorted(names)} + links[{self.storage_capacity}]")
             restored = []
-            for (path, leaf), key in zip(leaves, names):
+            for (path, leaf), key, sharding in zip(leaves, names, shardings):
                 value = np.asarray(arrays[key])
                 if value.shape != leaf.shape or value.dtype != leaf.dtype:
-                    raise ValueError(f"{name}.set_state(): array {key} is {value.dtype}{list(value.shape)}, the plane "
+                    raise ValueError(f"{name}.set_state(): array {key} is {value.dtype}{list(value.shape)}, the buffer "
                                      f"expects {leaf.dtype}{list(leaf.shape)}")
-                restored.append(jax.device_put(value, leaf.sharding))
-            plane.state = jax.tree_util.tree_unflatten(treedef, restored)
-            self.plane = plane
+                restored.append(jax.device_put(value, sharding))
+            restored = jax.tree_util.tree_unflatten(treedef, restored)
+        counters = state["counters"]
+        self._reset()
+        if spec is not None:
+            self._spec, self._keys = spec, {k: v for k, v in state["spec"]["keys"]}
+            self._state, self._next = restored, jnp.asarray(links.astype(np.int32))
+        for saved in state["episodes"]:
+            segments = [tuple(int(x) for x in pair) for pair in np.asarray(saved["segments"]).reshape(-1, 2)]
+            record = StoredEpisode(saved["id"], int(saved["length"]), bool(saved["terminated"]),
+                                   bool(saved["truncated"]), segments)
+            self._order.append(record)
+            self._live[record.id_] = record
+        self._num_timesteps = int(counters["num_timesteps"])
         self._num_timesteps_added = int(counters["num_timesteps_added"])
+        self._num_episodes_evicted = int(counters["num_episodes_evicted"])
         self.sampled_timesteps = int(counters["sampled_timesteps"])
-        self._episodes_added = int(counters["episodes_added"])
-        self._chunk_ends = collections.deque(int(x) for x in np.asarray(counters["chunk_ends"]).reshape(-1))
-        self._open_episodes.clear()
-        self._last_ids = None
-        self._n_cache.clear()
+        self._items, self._draws = int(counters["items"]), int(counters["draws"])
+        self.rng.bit_generator.state = state["rng"]
 
 
 class ConduitEpisodeReplayBuffer(_ConduitEpisodeBuffer, EpisodeReplayBuffer):
-    """Uniform replay (RLlib's ``EpisodeReplayBuffer``) in a Conduit plane; ``weights`` are all 1."""
+    """Uniform replay (RLlib's ``EpisodeReplayBuffer``) in Conduit's functional core; ``weights`` are all 1."""
 
     _prioritized = False
 
 
 class ConduitPrioritizedEpisodeReplayBuffer(_ConduitEpisodeBuffer, PrioritizedEpisodeReplayBuffer):
-    """Prioritized replay (RLlib's ``PrioritizedEpisodeReplayBuffer``) in a Conduit plane: the plane's sum tree,
-    stratified draws, new items at the max priority, importance weights ``(N P)^-beta`` / batch max."""
+    """Prioritized replay (RLlib's ``PrioritizedEpisodeReplayBuffer``) in Conduit's functional core: the sum tree,
+    stratified draws, new steps at the max priority, importance weights normalised by the smallest probability."""
 
     _prioritized = True
