@@ -1,13 +1,17 @@
 """Native RLlib vs the Conduit path on the same seeds (CartPole, Pendulum): where an iteration goes, and convergence.
 
-Two configurations of RLlib 2.60 (new API stack, torch learner, local learner and env runner) per algorithm:
+Up to three configurations of RLlib 2.60 (new API stack, torch learner, local learner and env runner) per algorithm
+(``--paths``; DQN and SAC run all three, PPO the first two):
 
 DQN with prioritized replay on CartPole-v1 (``--algo dqn``, the default):
 
 * ``native``: ``PrioritizedEpisodeReplayBuffer`` (episodes in a Python deque, segment trees) and RLlib's learner
   connector pipeline turning the sampled 1-step episodes into a torch batch.
-* ``conduit``: ``conduit_rllib.ConduitPrioritizedEpisodeReplayBuffer`` with ``deliver="torch"`` (columns in a plane,
-  n-step and PER by the plane's kernels) and ``ConduitDQNTorchLearner`` (the batch reaches torch through DLPack).
+* ``conduit``: ``conduit_rllib.ConduitPrioritizedEpisodeReplayBuffer`` with ``deliver="torch"`` (steps in Conduit's
+  functional core, n-step and PER by its kernels, RLlib's buffer contract) and ``ConduitDQNTorchLearner`` (the batch
+  reaches torch through DLPack), ``schedule="sync"``.
+* ``conduit_scheduled``: the same with ``schedule=--schedule`` (default ``overlap``: the next batch is drawn right
+  after each priority update, while RLlib's training step samples the env and adds; RLlib's code is unchanged).
 
 PPO on CartPole-v1 (``--algo ppo``):
 
@@ -39,8 +43,9 @@ Each iteration (one ``algo.train()``) is split, from counters read before and af
 * ``other``: the rest of the iteration (env runner sampling, weight sync, metrics, RLlib bookkeeping).
 
 The experience path is ``buffer_add + buffer_sample + priority_update + to_batch + minibatching``; its share of the
-iteration time is reported per configuration. Everything runs on the critical path in both configurations here
-(``schedule="sync"``), so the exposed experience-path latency equals the experience path. Runs alternate between the
+iteration time is reported per configuration. Every part is timed on the training thread, so it is the exposed
+experience path: with ``conduit_scheduled`` the prefetched batch's kernel runs outside these calls, and what stays
+in them is dispatch and any wait for that batch. Runs alternate between the
 two configurations (same seed, one Ray session) to share the machine's noise; the first ``--warmup`` iterations
 (compilation, learning start) are not in the breakdown (their returns are in the learning curves).
 
@@ -86,7 +91,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-PATHS = ("native", "conduit")
+PATHS = ("native", "conduit", "conduit_scheduled")  # conduit: schedule "sync"; conduit_scheduled: --schedule
+CONDUIT_PATHS = PATHS[1:]
 # what the paper reports on 8x A100 (issue #6): experience-path share of the iteration, and the DQN iteration latency
 PAPER = {"experience_path_share": {"dqn": 0.502, "ppo": 0.262}, "iteration_latency_change": {"dqn": -0.38}}
 PARTS = ("buffer_add", "buffer_sample", "priority_update", "to_batch", "minibatching", "learner_update", "other")
@@ -204,6 +210,10 @@ def __getattr__(name):  # RLlib resolves the native buffer by import string: exp
     raise AttributeError(name)
 
 
+def _schedule(path: str, args) -> str:
+    return args.schedule if path == "conduit_scheduled" else "sync"
+
+
 def dqn_config(path: str, seed: int, args):
     from ray.rllib.algorithms.dqn import DQNConfig
 
@@ -214,7 +224,7 @@ def dqn_config(path: str, seed: int, args):
         learner = module.TimedDQNTorchLearner
     else:
         buffer = {"type": "conduit_rllib.ConduitPrioritizedEpisodeReplayBuffer", **common, "n_step": args.n_step,
-                  "deliver": "torch", "schedule": args.schedule, "seed": seed}
+                  "deliver": "torch", "schedule": _schedule(path, args), "seed": seed}
         learner = module.TimedConduitDQNTorchLearner
     config = (DQNConfig()
               .environment(ENVS["dqn"])
@@ -258,7 +268,7 @@ def sac_config(path: str, seed: int, args):
     else:
         config = ConduitSACConfig()
         buffer = {"type": "conduit_rllib.ConduitPrioritizedEpisodeReplayBuffer", **common, "n_step": args.n_step,
-                  "deliver": "torch", "schedule": args.schedule, "seed": seed}
+                  "deliver": "torch", "schedule": _schedule(path, args), "seed": seed}
         learner = module.TimedConduitSACTorchLearner
     return (config
             .environment(ENVS["sac"])
@@ -417,8 +427,9 @@ def convergence(runs: list[dict], final_iterations: int) -> dict:
                         "env_steps": r.get("env_steps") or [None] * len(r["returns"]), "return": r["returns"]}
                        for r in mine],
         }
-    if set(finals) == set(PATHS):
-        out["welch_native_vs_conduit"] = welch_t_test(finals["native"], finals["conduit"])
+    for path in CONDUIT_PATHS:
+        if "native" in finals and path in finals:
+            out[f"welch_native_vs_{path}"] = welch_t_test(finals["native"], finals[path])
     return out
 
 
@@ -440,16 +451,18 @@ def summarize(runs: list[dict], final_iterations: int = 5) -> dict:
             "mean_s": mean,
             "experience_path_s": {"median": statistics.median(experience), "mean": statistics.fmean(experience)},
             "experience_path_share": {"median": statistics.median(shares), "mean": statistics.fmean(shares)},
-            # schedule="sync" and RLlib's synchronous training_step: nothing of the experience path is overlapped
+            # every part is timed on the training thread: a prefetched batch's kernel runs outside these calls, so
+            # the timed experience path is what stays exposed (waiting for a prefetched batch included)
             "exposed_experience_path_s": {"median": statistics.median(experience), "mean": statistics.fmean(experience)},
             "experience_path_us_per_update": 1e6 * statistics.median(experience) / max(updates, 1),
         }
-    if set(out) == set(PATHS):
-        n, c = out["native"], out["conduit"]
-        out["conduit_vs_native"] = {
-            "iteration_latency_change": c["median_s"]["iteration"] / n["median_s"]["iteration"] - 1,
-            "experience_path_change": c["experience_path_s"]["median"] / n["experience_path_s"]["median"] - 1,
-        }
+    for path in CONDUIT_PATHS:
+        if "native" in out and path in out:
+            n, c = out["native"], out[path]
+            out[f"{path}_vs_native"] = {
+                "iteration_latency_change": c["median_s"]["iteration"] / n["median_s"]["iteration"] - 1,
+                "experience_path_change": c["experience_path_s"]["median"] / n["experience_path_s"]["median"] - 1,
+            }
     out["convergence"] = convergence(runs, final_iterations)
     return out
 
@@ -460,39 +473,42 @@ def _fmt(value, spec: str = ".1f") -> str:
 
 def _table(summary: dict) -> str:
     paths = [p for p in PATHS if p in summary]
-    lines = [f"{'part (median s / iteration)':30s}" + "".join(f"{p:>12s}" for p in paths)]
+    width = max(12, *(len(p) + 2 for p in paths))
+
+    def row(label: str, values, spec: str) -> str:
+        return f"{label:30s}" + "".join(f"{v:{width}{spec}}" for v in values)
+
+    lines = [f"{'part (median s / iteration)':30s}" + "".join(f"{p:>{width}s}" for p in paths)]
     for key in (*PARTS, "iteration"):
-        lines.append(f"{key:30s}" + "".join(f"{summary[p]['median_s'][key]:12.4f}" for p in paths))
-    lines.append(f"{'experience path':30s}" + "".join(f"{summary[p]['experience_path_s']['median']:12.4f}"
-                                                       for p in paths))
-    lines.append(f"{'experience-path share':30s}" + "".join(f"{summary[p]['experience_path_share']['median']:12.1%}"
-                                                             for p in paths))
-    lines.append(f"{'exp. path us / update':30s}" + "".join(f"{summary[p]['experience_path_us_per_update']:12.0f}"
-                                                             for p in paths))
-    lines.append(f"{'updates / iteration':30s}" + "".join(f"{summary[p]['updates_per_iteration']:12.0f}"
-                                                           for p in paths))
-    if "conduit_vs_native" in summary:
-        change = summary["conduit_vs_native"]
-        lines.append(f"conduit vs native: iteration latency {change['iteration_latency_change']:+.1%}, "
-                     f"experience path {change['experience_path_change']:+.1%}")
+        lines.append(row(key, [summary[p]["median_s"][key] for p in paths], ".4f"))
+    lines.append(row("experience path", [summary[p]["experience_path_s"]["median"] for p in paths], ".4f"))
+    lines.append(row("experience-path share", [summary[p]["experience_path_share"]["median"] for p in paths], ".1%"))
+    lines.append(row("exp. path us / update", [summary[p]["experience_path_us_per_update"] for p in paths], ".0f"))
+    lines.append(row("updates / iteration", [summary[p]["updates_per_iteration"] for p in paths], ".0f"))
+    for path in CONDUIT_PATHS:
+        if f"{path}_vs_native" in summary:
+            change = summary[f"{path}_vs_native"]
+            lines.append(f"{path} vs native: iteration latency {change['iteration_latency_change']:+.1%}, "
+                         f"experience path {change['experience_path_change']:+.1%}")
     conv = summary.get("convergence", {})
     for path in PATHS:
         if path in conv:
             c = conv[path]
             per_seed = ", ".join(f"{seed}: {_fmt(v)}" for seed, v in c["final_return_per_seed"].items())
-            lines.append(f"final return ({conv['final_iterations']} last iterations) {path:8s} "
+            lines.append(f"final return ({conv['final_iterations']} last iterations) {path:17s} "
                          f"{_fmt(c['mean'])} +- {_fmt(c['std'])} (seeds {per_seed})")
-    if "welch_native_vs_conduit" in conv:
-        w = conv["welch_native_vs_conduit"]
-        lines.append(f"Welch t-test native vs conduit: t {_fmt(w['t'], '.3f')}, dof {_fmt(w['dof'], '.2f')}, "
-                     f"p {_fmt(w['p'], '.3f')}")
+    for path in CONDUIT_PATHS:
+        if f"welch_native_vs_{path}" in conv:
+            w = conv[f"welch_native_vs_{path}"]
+            lines.append(f"Welch t-test native vs {path}: t {_fmt(w['t'], '.3f')}, dof {_fmt(w['dof'], '.2f')}, "
+                         f"p {_fmt(w['p'], '.3f')}")
     return "\n".join(lines)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
 # figure
 # ----------------------------------------------------------------------------------------------------------------------
-COLORS = {"native": "tab:blue", "conduit": "tab:orange"}
+COLORS = {"native": "tab:blue", "conduit": "tab:orange", "conduit_scheduled": "tab:green"}
 
 
 def _mean_curve(curves: list[dict]):
@@ -530,11 +546,12 @@ def plot(result: dict, path) -> None:
         label += f" ± {_fmt(conv[p]['std'])})" if conv[p]["std"] is not None else ")"
         left.plot(x, mean, color=COLORS[p], label=label)
         left.fill_between(x, low, high, color=COLORS[p], alpha=0.2, linewidth=0)
-    welch = conv.get("welch_native_vs_conduit")
     title = f"{algo.upper()} on {ENVS.get(algo, '?')}: episode return (band: min-max over seeds)"
-    if welch and welch["p"] is not None:
-        title += f"\nfinal returns, Welch t-test: t = {welch['t']:.2f}, dof = {_fmt(welch['dof'], '.1f')}, " \
-                 f"p = {welch['p']:.3f}"
+    for name in CONDUIT_PATHS:
+        welch = conv.get(f"welch_native_vs_{name}")
+        if welch and welch["p"] is not None:
+            title += f"\nfinal returns native vs {name}, Welch: t = {welch['t']:.2f}, " \
+                     f"dof = {_fmt(welch['dof'], '.1f')}, p = {welch['p']:.3f}"
     left.set_title(title, fontsize=10)
     left.set_xlabel("env steps sampled")
     left.set_ylabel(f"episode_return_mean (last {config.get('smoothing', '?')} episodes)")
@@ -553,11 +570,12 @@ def plot(result: dict, path) -> None:
         s = summary[p]
         right.text(i, bottoms[i], f"{s['median_s']['iteration']:.2f} s / it\nexp. path "
                    f"{s['experience_path_share']['median']:.0%}", ha="center", va="bottom", fontsize=8)
-    change = summary.get("conduit_vs_native")
     title = "median seconds per iteration by part (hatched: experience path)"
-    if change:
-        title += f"\nconduit vs native: iteration {change['iteration_latency_change']:+.1%}, experience path " \
-                 f"{change['experience_path_change']:+.1%}"
+    for name in CONDUIT_PATHS:
+        change = summary.get(f"{name}_vs_native")
+        if change:
+            title += f"\n{name} vs native: iteration {change['iteration_latency_change']:+.1%}, experience path " \
+                     f"{change['experience_path_change']:+.1%}"
     right.set_title(title, fontsize=10)
     right.set_ylabel("s")
     right.set_ylim(0, max(bottoms or [1.0]) * 1.5)
@@ -605,8 +623,10 @@ def parse_args(argv) -> argparse.Namespace:
     parser.add_argument("--actor-lr", type=float, default=3e-4, help="SAC")
     parser.add_argument("--critic-lr", type=float, default=8e-4, help="SAC")
     parser.add_argument("--alpha-lr", type=float, default=9e-4, help="SAC")
-    parser.add_argument("--schedule", default="sync", choices=("sync", "overlap", "deferred", "adaptive"),
-                        help="DQN / SAC: the Conduit buffer's delivery schedule")
+    parser.add_argument("--paths", nargs="+", default=None, choices=PATHS,
+                        help="what to run (default: all three for DQN / SAC; native and conduit for PPO)")
+    parser.add_argument("--schedule", default="overlap", choices=("overlap", "deferred"),
+                        help="DQN / SAC: the conduit_scheduled path's delivery schedule")
     parser.add_argument("--ppo-batch-size", type=int, default=None)
     parser.add_argument("--ppo-minibatch-size", type=int, default=128)
     parser.add_argument("--ppo-epochs", type=int, default=None)
@@ -623,6 +643,7 @@ def parse_args(argv) -> argparse.Namespace:
     args = parser.parse_args(argv)
     quick = args.quick
     args.seeds = args.seeds or ([0] if quick else [0, 1, 2])
+    args.paths = args.paths or list(PATHS if args.algo != "ppo" else PATHS[:2])
     args.warmup = args.warmup if args.warmup is not None else 2
     args.final_iterations = args.final_iterations or (2 if quick else 5)
     for name, (full, short) in DEFAULTS[args.algo].items():
@@ -684,7 +705,7 @@ def main(argv=None) -> dict:
     runs = []
     try:
         for seed in args.seeds:
-            for path in PATHS:
+            for path in args.paths:
                 started = time.perf_counter()
                 runs.append(run(path, seed, args))
                 runs[-1]["wall_s"] = time.perf_counter() - started

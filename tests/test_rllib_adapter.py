@@ -265,6 +265,49 @@ def test_uniform_buffer_has_unit_weights_and_no_priorities():
         buffer.update_priorities(np.ones(8))
 
 
+def _unique_episodes(first, count, length=10):
+    """Episodes whose observation at step t is 1000 * k + t: an observation names its episode and step."""
+    out = []
+    for k in range(first, first + count):
+        e = SingleAgentEpisode(id_=str(k), observations=[1000.0 * k], len_lookback_buffer=0)
+        for t in range(length):
+            e.add_env_step(observation=1000.0 * k + t + 1, action=t, reward=1.0)
+        e.is_terminated = True
+        out.append(e)
+    return out
+
+
+@pytest.mark.parametrize("schedule", ["overlap", "deferred"])
+def test_scheduled_buffers_hand_over_batches_drawn_ahead_without_evicted_steps(schedule):
+    """A batch drawn ahead is handed over only to the same request, never holds a step evicted since it was drawn,
+    and counts as sampled once, when it is handed over. Under overlap it is drawn after the priority update, so it
+    follows it at once; under deferred one batch later (the staleness bound k = 1)."""
+    buffer = conduit_rllib.ConduitPrioritizedEpisodeReplayBuffer(capacity=100, alpha=1.0, schedule=schedule,
+                                                               deliver="torch", seed=3)
+    buffer.add(_unique_episodes(0, 10))
+    episode = 10
+    for call in range(60):
+        columns = _torch_columns(buffer.sample(num_items=16, n_step=1))
+        live = {int(e.id_) for e in buffer.episodes}
+        assert {int(o // 1000) for o in columns["obs"]} <= live, f"call {call}: an evicted step was delivered"
+        assert buffer.get_sampled_timesteps() == 16 * (call + 1)
+        buffer.update_priorities(np.ones(16))
+        buffer.add(_unique_episodes(episode, 1))  # evicts the oldest episode (100 steps stored)
+        episode += 1
+    assert buffer.get_num_episodes_evicted() == 60
+    # one step at priority 1000, the rest at 1: the next batch (overlap) or the one after (deferred) is mostly it
+    target = float(_torch_columns(buffer.sample(num_items=16, n_step=1))["obs"][0])
+    batch = _torch_columns(buffer.sample(num_items=100, n_step=1))  # another size: drawn now
+    buffer.update_priorities(np.where(batch["obs"] == target, 1000.0, 1.0))
+    shares = [np.mean(_torch_columns(buffer.sample(num_items=100, n_step=1))["obs"] == target) for _ in range(2)]
+    if schedule == "overlap":
+        assert shares[0] > 0.5 and shares[1] > 0.5
+    else:
+        assert shares[0] < 0.5 < shares[1]
+    with pytest.raises(ValueError, match="schedule"):
+        conduit_rllib.ConduitEpisodeReplayBuffer(schedule="adaptive")
+
+
 def test_buffer_state_round_trip_and_files(tmp_path):
     buffer = conduit_rllib.ConduitPrioritizedEpisodeReplayBuffer(capacity=32, n_step=2, alpha=0.6, deliver="torch")
     buffer.add(_episodes())
@@ -375,17 +418,17 @@ def ray_session(tmp_path_factory):
     ray.shutdown()
 
 
-def _dqn_config(deliver: str, store: bool = False):
+def _dqn_config(deliver: str, store: bool = False, schedule: str = "sync", learning_starts: int = 32):
     from ray.rllib.algorithms.dqn import DQNConfig
 
     return (DQNConfig(algo_class=conduit_rllib.ConduitDQN)
             .environment("CartPole-v1")
             .env_runners(num_env_runners=0, rollout_fragment_length=16)
-            .training(train_batch_size=32, num_steps_sampled_before_learning_starts=32, n_step=3,
+            .training(train_batch_size=32, num_steps_sampled_before_learning_starts=learning_starts, n_step=3,
                       learner_class=conduit_rllib.ConduitDQNTorchLearner, store_buffer_in_checkpoints=store,
                       replay_buffer_config={"type": "conduit_rllib.ConduitPrioritizedEpisodeReplayBuffer",
                                             "capacity": 2000, "alpha": 0.6, "beta": 0.4, "n_step": 3,
-                                            "deliver": deliver})
+                                            "deliver": deliver, "schedule": schedule})
             .reporting(min_sample_timesteps_per_iteration=64)
             .debugging(seed=0))
 
@@ -394,19 +437,26 @@ def _trained_steps(result) -> int:
     return int(result["learners"]["default_policy"]["num_module_steps_trained_lifetime"])
 
 
-def test_dqn_prioritized_trains_through_dlpack(ray_session):
-    algo = _dqn_config("torch").build_algo()
+@pytest.mark.parametrize("schedule", ["sync", "overlap"])
+def test_dqn_prioritized_trains_through_dlpack(ray_session, schedule):
+    """RLlib's DQN training_step, unchanged, on the Conduit buffer: with "overlap" the buffer hands over the batch it
+    drew after the previous priority update. Nothing is sampled before learning starts, and RLlib's counters see
+    exactly the steps it asked for (a batch drawn ahead counts when it is handed over)."""
+    algo = _dqn_config("torch", schedule=schedule, learning_starts=96).build_algo()
     try:
-        for _ in range(2):
-            result = algo.train()
+        result = algo.train()  # 64 env steps < 96: no learning yet
         buffer = algo.local_replay_buffer
         assert isinstance(buffer, conduit_rllib.ConduitPrioritizedEpisodeReplayBuffer)
-        assert len(buffer) == result["num_env_steps_sampled_lifetime"] == 128
-        assert _trained_steps(result) > 0
+        assert buffer.get_sampled_timesteps() == 0 and buffer.timings["sample"] == 0
+        for _ in range(2):
+            result = algo.train()
+        assert len(buffer) == result["num_env_steps_sampled_lifetime"] == 192
+        trained = _trained_steps(result)
+        assert trained > 0 and buffer.get_sampled_timesteps() == trained
         assert algo.learner_group._learner.conduit_batch_seconds > 0  # batches came through DLPack
         assert buffer.timings["update_priorities"] > 0  # RLlib called update_priorities with TD errors
         assert buffer.stats()["priority_updates_ignored"] == 0
-        assert result["replay_buffer"]["num_env_steps_added_lifetime"] == 128
+        assert result["replay_buffer"]["num_env_steps_added_lifetime"] == 192
     finally:
         algo.stop()
 

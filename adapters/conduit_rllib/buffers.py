@@ -59,7 +59,7 @@ import collections
 import dataclasses
 import logging
 import time
-from typing import Any, Optional, Union
+from typing import Any, NamedTuple, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -84,7 +84,7 @@ PRIORITY_FLOOR = 1e-12  # RLlib's smallest priority
 _NARROW = {np.dtype(np.int64): np.dtype(np.int32), np.dtype(np.uint64): np.dtype(np.uint32),
            np.dtype(np.float64): np.dtype(np.float32)}
 _KNOWN_KWARGS = {"type", "metrics_num_episodes_for_smoothing"}
-_BASE_COLUMNS = ("obs", "next_obs", "action", "reward", "terminated", "truncated")
+SCHEDULES = ("sync", "overlap", "deferred")
 
 
 class ConduitBatch(list):
@@ -153,6 +153,22 @@ class _Chunk:
     record: Optional[StoredEpisode] = None  # where it goes (set while planning the add)
 
 
+class _Request(NamedTuple):
+    """What a ``sample()`` call asks for; a prefetched batch is handed over only to the same request."""
+
+    size: int
+    n_range: tuple  # (low, high), inclusive
+    beta: float
+    gamma: float
+
+
+class _Drawn(NamedTuple):
+    request: _Request
+    columns: dict
+    ids: jax.Array
+    enough: jax.Array  # bool[]: enough windows fitted (PER's redraw)
+
+
 def _narrowed(name: str, where: str, key: str, values) -> np.ndarray:
     """``values`` as a storable array: 64-bit narrowed to 32-bit (integers checked to fit), numbers only."""
     array = np.asarray(values)
@@ -204,9 +220,8 @@ class _ConduitEpisodeBuffer:
                              f"{n_step!r}")
         if deliver not in ("episodes", "torch"):
             raise ValueError(f"{name}: deliver must be 'episodes' or 'torch', got {deliver!r}")
-        if schedule != "sync":
-            raise NotImplementedError(f"{name}: schedule={schedule!r}: only 'sync' is built for the RLlib buffers so "
-                                      f"far")
+        if schedule not in SCHEDULES:
+            raise ValueError(f"{name}: schedule must be one of {SCHEDULES}, got {schedule!r}")
         for key, value in (("alpha", alpha), ("beta", beta)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not np.isfinite(value) or value < 0:
                 raise ValueError(f"{name}: {key} must be a finite number >= 0, got {value!r}")
@@ -248,6 +263,8 @@ class _ConduitEpisodeBuffer:
         self._state = None
         self._next = None  # int32[ring]: row of the next step of the same episode, -1 where none is stored yet
         self._last_ids = None
+        self._last_request: Optional[_Request] = None
+        self._prefetched: Optional[_Drawn] = None  # the next batch, drawn ahead (schedule overlap / deferred)
 
     @property
     def episodes(self) -> list:
@@ -297,7 +314,10 @@ class _ConduitEpisodeBuffer:
         end_keys = ["next_obs", "terminated", "truncated"] + [k for k in self._spec.names if k.startswith("next_info__")]
         prioritized = self._prioritized
 
-        def draw(state, links, n, beta, gamma, key):
+        seed = self.seed
+
+        def draw(state, links, n, beta, gamma, counter):
+            key = jax.random.fold_in(jax.random.key(seed), counter)
             state, delivery = buffer.sample(state)
             rows = delivery.ids[:, 0]
             last, going, fits = rows, jnp.ones(rows.shape, jnp.bool_), jnp.ones(rows.shape, jnp.bool_)
@@ -489,6 +509,11 @@ class _ConduitEpisodeBuffer:
         gone = [record.items() for record in evicted if record.segments]
         if gone:
             ids = self._ids(np.concatenate(gone))
+            if self._prefetched is not None:
+                # a batch drawn ahead may hold a step evicted now: it is never handed over (drawn again instead)
+                drawn = np.asarray(self._prefetched.ids).astype(np.int64)
+                if np.isin(drawn[:, 0] << 32 | drawn[:, 1], ids[:, 0].astype(np.int64) << 32 | ids[:, 1]).any():
+                    self._prefetched = None
             ids = np.concatenate([ids, np.full((_bucket(ids.shape[0]) - ids.shape[0], 2), -1, np.int32)])
             self._state = self._kernel("retire")(self._state, ids)
         for chunk in written:
@@ -541,39 +566,51 @@ class _ConduitEpisodeBuffer:
             raise ValueError(f"{name}.sample(): beta must be a finite number >= 0, got {beta!r}")
         if self._num_timesteps == 0:
             raise ValueError(f"{name}.sample(): the buffer is empty; add() episodes first")
-        padded = size + (-size) % self.num_shards  # a multiple of the shard count
-        low, high = self._n_range(n_step)
-        redraw = self._prioritized and high > 1
-        # PER redraws a step whose episode ends within n steps: draw extra candidates so one call almost always has
-        # enough (another call when not)
-        candidates = padded + padded // 2 + 8 if redraw else padded
-        candidates += (-candidates) % self.num_shards
-        longest = _bucket(high)
-        draw = self._kernel("draw", candidates, padded, longest, redraw)
-        for attempt in range(64):
-            n = self.rng.integers(low, high + 1, size=candidates, dtype=np.int32) if low < high else \
-                np.full(candidates, low, np.int32)
-            key = jax.random.fold_in(jax.random.key(self.seed), self._draws)
-            self._draws += 1
-            self._state, columns, ids, enough = draw(self._state, self._next, n, np.float32(beta),
-                                                     np.float32(gamma), key)
-            if not redraw or bool(enough):
-                break
-        else:
-            raise ValueError(f"{name}.sample(): 64 draws found fewer than {size} steps with n_step={n_step} more steps "
-                             f"in their episode; sample a smaller n_step or add longer episodes")
-        if padded != size:
-            columns, ids = {k: v[:size] for k, v in columns.items()}, ids[:size]
-        self._last_ids = ids
+        request = _Request(size, self._n_range(n_step), float(beta), float(gamma))
+        drawn, self._prefetched = self._prefetched, None
+        if drawn is not None and (drawn.request != request or not bool(drawn.enough)):
+            drawn = None  # drawn for another request (or short of fitting windows): draw now
+        attempt = 0
+        while drawn is None:
+            candidate = self._draw(request)
+            if bool(candidate.enough):
+                drawn = candidate
+            elif attempt == 63:
+                raise ValueError(f"{name}.sample(): 64 draws found fewer than {size} steps with n_step={n_step} more "
+                                 f"steps in their episode; sample a smaller n_step or add longer episodes")
+            attempt += 1
+        self._last_ids = drawn.ids
+        self._last_request = request
         self.sampled_timesteps += size
         self._log_sample(size, n_step, attempt)
+        if self.schedule == "deferred" or (self.schedule == "overlap" and not self._prioritized):
+            self._prefetched = self._draw(request)  # runs while the learner updates (async dispatch)
         if self.deliver == "torch":
-            out = ConduitBatch(self._public(columns, include_infos, include_extra_model_outputs), DEFAULT_MODULE_ID,
-                               size)
+            out = ConduitBatch(self._public(drawn.columns, include_infos, include_extra_model_outputs),
+                               DEFAULT_MODULE_ID, size)
         else:
-            out = self._episodes(columns, to_numpy, include_infos, include_extra_model_outputs)
+            out = self._episodes(drawn.columns, to_numpy, include_infos, include_extra_model_outputs)
         self.timings["sample"] += time.perf_counter() - start
         return out
+
+    def _draw(self, request: "_Request") -> "_Drawn":
+        """Dispatch one draw kernel for ``request`` (JAX runs it asynchronously; reading a result waits for it)."""
+        padded = request.size + (-request.size) % self.num_shards  # a multiple of the shard count
+        low, high = request.n_range
+        redraw = self._prioritized and high > 1
+        # PER redraws a step whose episode ends within n steps: extra candidates, so one kernel almost always has
+        # enough fitting windows (another kernel when not)
+        candidates = padded + padded // 2 + 8 if redraw else padded
+        candidates += (-candidates) % self.num_shards
+        draw = self._kernel("draw", candidates, padded, _bucket(high), redraw)
+        n = self.rng.integers(low, high + 1, size=candidates, dtype=np.int32) if low < high else \
+            np.full(candidates, low, np.int32)
+        self._state, columns, ids, enough = draw(self._state, self._next, n, np.float32(request.beta),
+                                                 np.float32(request.gamma), np.uint32(self._draws))
+        self._draws += 1
+        if padded != request.size:
+            columns, ids = {k: v[:request.size] for k, v in columns.items()}, ids[:request.size]
+        return _Drawn(request, columns, ids, enough)
 
     def _n_range(self, n_step) -> tuple[int, int]:
         """The n-steps to draw from, inclusive: RLlib's ``(low, high)`` draws n in ``[low, high)``."""
@@ -649,6 +686,8 @@ class _ConduitEpisodeBuffer:
                              f"{values[~np.isfinite(values)][:4].tolist()} (nothing was updated)")
         self._state = self._kernel("update")(self._state, self._last_ids, values)
         self._last_ids = None
+        if self.schedule == "overlap" and self._last_request is not None:
+            self._prefetched = self._draw(self._last_request)  # sees this update; runs during the env rollout
         self.timings["update_priorities"] += time.perf_counter() - start
 
     # -- sizes and metrics -------------------------------------------------------------------------------------------
