@@ -196,7 +196,7 @@ def test_buffer_n_step_transitions_match_reference(cls):
     redraws = buffer._prioritized
     seen = set()
     for _ in range(20):
-        batch = buffer.sample(num_items=32, n_step=3, gamma=gamma, beta=0.4)
+        batch = buffer.sample(num_items=32, n_step=3, gamma=gamma, beta=0.4, sample_episodes=True)
         assert isinstance(batch, ConduitBatch) and len(batch) == 32
         columns = _torch_columns(batch)
         assert columns["weights"].dtype == np.float32 and np.all(columns["weights"] > 0)
@@ -208,11 +208,11 @@ def test_buffer_n_step_transitions_match_reference(cls):
     starts = {(c, t) for c, length, _ in CHUNKS for t in range(length) if not redraws or t + 3 <= length}
     assert seen == starts
     # another n-step from the same buffer (compiled for it on first use), and a per-item range
-    _check_transitions(_torch_columns(buffer.sample(num_items=32, n_step=2, gamma=gamma)), 2, gamma)
-    columns = _torch_columns(buffer.sample(num_items=32, n_step=(1, 4), gamma=gamma))
+    _check_transitions(_torch_columns(buffer.sample(num_items=32, n_step=2, gamma=gamma, sample_episodes=True)), 2, gamma)
+    columns = _torch_columns(buffer.sample(num_items=32, n_step=(1, 4), gamma=gamma, sample_episodes=True))
     assert set(np.unique(columns["n_step"])) <= {1, 2, 3}
     with pytest.raises(ValueError, match="n_step"):
-        buffer.sample(num_items=32, n_step=(3, 3), gamma=gamma)
+        buffer.sample(num_items=32, n_step=(3, 3), gamma=gamma, sample_episodes=True)
 
 
 def test_buffer_returns_rllib_episodes_and_n_step_one():
@@ -260,7 +260,7 @@ def test_prioritized_buffer_follows_priorities_and_beta():
 def test_uniform_buffer_has_unit_weights_and_no_priorities():
     buffer = conduit_rllib.ConduitEpisodeReplayBuffer(capacity=64, deliver="torch")
     buffer.add(_episodes())
-    assert np.all(_torch_columns(buffer.sample(num_items=8))["weights"] == 1.0)
+    assert np.all(_torch_columns(buffer.sample(num_items=8, sample_episodes=True))["weights"] == 1.0)
     with pytest.raises(NotImplementedError):
         buffer.update_priorities(np.ones(8))
 

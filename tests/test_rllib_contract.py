@@ -240,13 +240,12 @@ def test_state_round_trip_keeps_counts_and_contents(cls):
         assert e.get_observations(0) // 1000 in stored
 
 
-# -- sequences (not built yet on the Conduit side) --------------------------------------------------------------------
-@pytest.mark.parametrize("cls", [
-    EpisodeReplayBuffer,
-    pytest.param(conduit_rllib.ConduitEpisodeReplayBuffer, marks=pytest.mark.xfail(
-        raises=NotImplementedError, strict=True, reason="[B, T] sequence batches are not built yet")),
-], ids=by_name)
+# -- sequences --------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("cls", UNIFORM, ids=by_name)
 def test_uniform_sequence_batches_as_rllib(cls):
+    """RLlib's [B, T] batch (``sample_episodes=False``, the default): rows of consecutive entries that run into
+    another episode from its first step, the final observation of each episode with its last action repeated.
+    Rewards are compared to a tolerance: the Conduit buffer stores float32 (RLlib's own test compares exactly)."""
     rng = np.random.default_rng(10)
     buffer = cls(capacity=10_000)
     for _ in range(200):
@@ -261,3 +260,10 @@ def test_uniform_sequence_batches_as_rllib(cls):
         assert obs.shape[:2] == rewards.shape == actions.shape == is_first.shape == is_last.shape
         assert np.allclose(obs * 0.1, rewards)
         assert np.all(np.where(is_last, True, obs == actions))
+        assert np.all(np.where(is_terminated[:, 1:], actions[:, 1:] == actions[:, :-1], True))
+        assert np.all(np.where(is_terminated[:, :-1], rewards[:, 1:] == 0.0, True))
+        # within a row an entry follows the previous one in its episode, or a new episode starts from its first step
+        following = np.isclose(obs[:, 1:], obs[:, :-1] + 1)
+        assert np.all(following | (is_first[:, 1:] & (obs[:, 1:] == 0)))
+        assert np.all(np.where(is_first[:, 1:], is_last[:, :-1], True))
+    assert buffer.get_sampled_timesteps() == 16 * 64 * (ROUNDS // 4)

@@ -261,7 +261,9 @@ class _ConduitEpisodeBuffer:
         self._buffers: dict = {}  # sampler batch size -> functional Buffer (all share one state)
         self._kernels: dict = {}
         self._state = None
-        self._next = None  # int32[ring]: row of the next step of the same episode, -1 where none is stored yet
+        # int32[3, ring]: for each stored step the row of the next step of its episode (-1: none stored yet), of the
+        # previous one (-1: the episode's first), and of its episode's first stored step
+        self._links = None
         self._last_ids = None
         self._last_request: Optional[_Request] = None
         self._prefetched: Optional[_Drawn] = None  # the next batch, drawn ahead (schedule overlap / deferred)
@@ -284,7 +286,7 @@ class _ConduitEpisodeBuffer:
         self._spec = spec
         buffer = self._buffer(self.num_shards)
         self._state = buffer.init(self.seed)
-        self._next = jnp.full((self.storage_capacity,), -1, jnp.int32)
+        self._links = jnp.full((3, self.storage_capacity), -1, jnp.int32)
 
     def _kernel(self, kind: str, *static):
         key = (kind,) + static
@@ -297,7 +299,11 @@ class _ConduitEpisodeBuffer:
         return jax.jit(buffer.ingest, donate_argnums=0)
 
     def _make_link(self):
-        return jax.jit(lambda links, rows, values: links.at[rows].set(values, mode="drop"), donate_argnums=0)
+        def link(links, full, patch):
+            links = links.at[:, full[0]].set(full[1:], mode="drop")
+            return links.at[0, patch[0]].set(patch[1], mode="drop")
+
+        return jax.jit(link, donate_argnums=0)
 
     def _make_retire(self):
         return jax.jit(self._buffer(self.num_shards).retire, donate_argnums=0)
@@ -323,7 +329,7 @@ class _ConduitEpisodeBuffer:
             last, going, fits = rows, jnp.ones(rows.shape, jnp.bool_), jnp.ones(rows.shape, jnp.bool_)
             ret, used = delivery.data["reward"].astype(jnp.float32), jnp.ones(rows.shape, jnp.int32)
             for k in range(1, longest):
-                following = links[last]
+                following = links[0, last]
                 step = going & (k < n) & (following >= 0)
                 fits = fits & ((k >= n) | step)
                 reward = buffer.read(state, jnp.where(step, following, 0))["reward"]
@@ -346,6 +352,44 @@ class _ConduitEpisodeBuffer:
             return state, columns, delivery.ids[order], enough & delivery.valid
 
         return jax.jit(draw, donate_argnums=0)
+
+    def _make_sequences(self, size: int, length: int):
+        """RLlib's ``[B, T]`` batch: each row starts at a uniformly drawn step and runs to its episode's end (the
+        final observation included, with the last action repeated), then continues with another drawn step's
+        episode from its first step, until T entries; ``is_first`` / ``is_last`` / ``is_terminated`` /
+        ``is_truncated`` as RLlib sets them. A row needs at most T // 2 + 1 draws (an entry run is >= 2 long)."""
+        draws = length // 2 + 1
+        buffer = self._buffer(size * draws)
+
+        def pick(condition, a, b):
+            return jnp.where(condition.reshape(condition.shape + (1,) * (a.ndim - 1)), a, b)
+
+        def sequences(state, links):
+            state, delivery = buffer.sample(state)
+            pool = delivery.ids[:, 0].reshape(size, draws)
+            start = pool[:, 0]
+            before = links[1, start]
+            first_reward = jnp.where(before >= 0, buffer.read(state, jnp.maximum(before, 0))["reward"], 0.0)
+            zeros = jnp.zeros((size,), jnp.bool_)
+
+            def entry(carry, t):
+                row, final, segment, reward, first = carry
+                data = buffer.read(state, row)
+                out = {"obs": pick(final, data["next_obs"], data["obs"]), "actions": data["action"],
+                       "rewards": reward, "is_first": first, "is_last": final | (t == length - 1),
+                       "is_terminated": final & data["terminated"], "is_truncated": final & data["truncated"]}
+                following = links[0, row]
+                segment = segment + final.astype(jnp.int32)
+                fresh = links[2, jnp.take_along_axis(pool, jnp.minimum(segment, draws - 1)[:, None], 1)[:, 0]]
+                row = jnp.where(final, fresh, jnp.where(following >= 0, following, row))
+                reward = jnp.where(final, 0.0, data["reward"].astype(jnp.float32))
+                return (row, ~final & (following < 0), segment, reward, final), out
+
+            carry = (start, zeros, jnp.zeros((size,), jnp.int32), first_reward.astype(jnp.float32), ~zeros)
+            _, out = jax.lax.scan(entry, carry, jnp.arange(length))
+            return state, {k: jnp.swapaxes(v, 0, 1) for k, v in out.items()}
+
+        return jax.jit(sequences, donate_argnums=0)
 
     # -- add ------------------------------------------------------------------------------------------------------
     def _chunk(self, episode) -> _Chunk:
@@ -475,15 +519,18 @@ class _ConduitEpisodeBuffer:
             self._keys = dict(chunks[0].keys)
         order, live, written, evicted, pending, timesteps, added, episodes_added, steps_added = self._plan(chunks)
         # where the written chunks go, and whether every step RLlib keeps is still in the ring afterwards
-        item, segments, links = self._items, collections.defaultdict(list), []
+        item, segments, rows, patches = self._items, collections.defaultdict(list), [], []
         for chunk in written:
             record = chunk.record
             before = record.segments + segments[id(record)]
+            steps = np.arange(item, item + chunk.length, dtype=np.int64)
+            previous = before[-1][0] + before[-1][1] - 1 if before else -1
             if before:  # the episode's last stored step now continues into this chunk
-                links.append((before[-1][0] + before[-1][1] - 1, item))
+                patches.append((previous, item))
+            following = np.append(steps[1:], -1)
+            preceding = np.insert(steps[:-1], 0, previous)
+            rows.append(np.stack([steps, following, preceding, np.full_like(steps, before[0][0] if before else item)]))
             segments[id(record)].append((item, chunk.length))
-            links.extend((item + i, item + i + 1) for i in range(chunk.length - 1))
-            links.append((item + chunk.length - 1, -1))
             item += chunk.length
         if order:
             oldest = (order[0].segments or segments[id(order[0])])[0][0]
@@ -499,12 +546,7 @@ class _ConduitEpisodeBuffer:
             ingest = self._kernel("ingest")
             for first, count in _pieces(item - self._items):
                 self._state = ingest(self._state, {k: v[first:first + count] for k, v in batch.items()})
-            sources, targets = (np.asarray(x, np.int64) for x in zip(*links))
-            rows = self._ids(sources)[:, 0]
-            values = np.where(targets >= 0, self._ids(np.maximum(targets, 0))[:, 0], -1).astype(np.int32)
-            pad = _bucket(rows.shape[0]) - rows.shape[0]
-            rows = np.concatenate([rows, np.full(pad, self.storage_capacity, np.int32)])
-            self._next = self._kernel("link")(self._next, rows, np.concatenate([values, np.zeros(pad, np.int32)]))
+            self._links = self._kernel("link")(self._links, *self._link_rows(np.concatenate(rows, axis=1), patches))
         steps_evicted = sum(record.length + pending[id(record)] for record in evicted)
         gone = [record.items() for record in evicted if record.segments]
         if gone:
@@ -531,6 +573,22 @@ class _ConduitEpisodeBuffer:
     def _ids(self, items) -> np.ndarray:
         return self._buffer(self.num_shards).item_ids(items)
 
+    def _rows(self, items: np.ndarray) -> np.ndarray:
+        """Ring rows of insertion indices; -1 (no step) stays -1."""
+        return np.where(items >= 0, self._ids(np.maximum(items, 0))[:, 0], -1).astype(np.int32)
+
+    def _link_rows(self, written: np.ndarray, patches: list):
+        """The link kernel's arguments: for each written step [item, next, previous, episode's first] as rows, and
+        the (row, next row) of each episode's last stored step that a new chunk continues; padded to powers of two
+        with rows past the ring (dropped)."""
+        full = np.stack([self._rows(x) for x in written])
+        patch = self._rows(np.asarray(patches, np.int64).reshape(-1, 2).T.reshape(-1)).reshape(2, -1)
+        full = np.pad(full, ((0, 0), (0, _bucket(full.shape[1]) - full.shape[1])), constant_values=-1)
+        patch = np.pad(patch, ((0, 0), (0, _bucket(max(patch.shape[1], 1)) - patch.shape[1])), constant_values=-1)
+        for block in (full, patch):
+            block[0] = np.where(block[0] >= 0, block[0], self.storage_capacity)
+        return full, patch
+
     def _log_add(self, steps: int, episodes_added: int, evicted: int, steps_evicted: int) -> None:
         agent, module = {DEFAULT_AGENT_ID: episodes_added}, {DEFAULT_MODULE_ID: episodes_added}
         EpisodeReplayBuffer._update_add_metrics(
@@ -547,7 +605,8 @@ class _ConduitEpisodeBuffer:
     def sample(self, num_items: Optional[int] = None, *, batch_size_B: Optional[int] = None,
                batch_length_T: Optional[int] = None, n_step: Optional[Union[int, tuple]] = None,
                beta: float = 0.0, gamma: float = 0.99, include_infos: bool = False,
-               include_extra_model_outputs: bool = False, sample_episodes: bool = True, to_numpy: bool = False,
+               include_extra_model_outputs: bool = False, sample_episodes: Optional[bool] = False,
+               to_numpy: bool = False,
                lookback: int = 0, min_batch_length_T: int = 0, **kwargs):
         start = time.perf_counter()
         name = type(self).__name__
@@ -556,12 +615,12 @@ class _ConduitEpisodeBuffer:
         size = num_items or batch_size_B or self.batch_size_B
         if not isinstance(size, (int, np.integer)) or size < 1:
             raise ValueError(f"{name}.sample(): the batch size must be an int >= 1, got {size!r}")
+        if not sample_episodes and not self._prioritized:
+            return self._sample_batch(size, batch_length_T or self.batch_length_T, start)
         if batch_length_T not in (None, 0, 1) or lookback:
-            raise NotImplementedError(f"{name}.sample(): sequence sampling for stateful modules (batch_length_T="
-                                      f"{batch_length_T}, lookback={lookback}) is not supported yet")
-        if not sample_episodes and self.deliver == "episodes" and not self._prioritized:
-            raise NotImplementedError(f"{name}.sample(): sample_episodes=False (RLlib's [B, T] sequence batch) is not "
-                                      f"supported yet")
+            raise NotImplementedError(f"{name}.sample(): sequences of episodes (sample_episodes=True with "
+                                      f"batch_length_T={batch_length_T}, lookback={lookback}) are not supported yet; "
+                                      f"the uniform buffer's sample_episodes=False gives RLlib's [B, T] batch")
         if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not np.isfinite(beta) or beta < 0:
             raise ValueError(f"{name}.sample(): beta must be a finite number >= 0, got {beta!r}")
         if self._num_timesteps == 0:
@@ -593,6 +652,29 @@ class _ConduitEpisodeBuffer:
         self.timings["sample"] += time.perf_counter() - start
         return out
 
+    def _sample_batch(self, size: int, length: int, start: float) -> dict:
+        """RLlib's ``EpisodeReplayBuffer`` batch of ``size`` rows of ``length`` entries (NumPy, as RLlib returns it)."""
+        name = type(self).__name__
+        if not isinstance(length, (int, np.integer)) or length < 1:
+            raise ValueError(f"{name}.sample(): batch_length_T must be an int >= 1, got {length!r}")
+        if self._num_timesteps == 0:
+            raise ValueError(f"{name}.sample(): the buffer is empty; add() episodes first")
+        padded = size + (-size) % self.num_shards
+        self._state, out = self._kernel("sequences", padded, int(length))(self._state, self._links)
+        out = {k: np.asarray(v)[:size] for k, v in jax.device_get(out).items()}
+        self.sampled_timesteps += size * length
+        steps, agent, module = size * length, DEFAULT_AGENT_ID, DEFAULT_MODULE_ID
+        EpisodeReplayBuffer._update_sample_metrics(
+            self, num_env_steps_sampled=steps, num_episodes_per_sample=0, num_env_steps_per_sample=steps,
+            sampled_n_step=None, num_resamples=0, agent_to_num_steps_sampled={agent: steps},
+            agent_to_num_episodes_per_sample={agent: 0}, agent_to_num_steps_per_sample={agent: steps},
+            agent_to_sampled_n_step=None, agent_to_num_resamples={agent: 0},
+            module_to_num_steps_sampled={module: steps}, module_to_num_episodes_per_sample={module: 0},
+            module_to_num_steps_per_sample={module: steps}, module_to_sampled_n_step=None,
+            module_to_num_resamples={module: 0})
+        self.timings["sample"] += time.perf_counter() - start
+        return out
+
     def _draw(self, request: "_Request") -> "_Drawn":
         """Dispatch one draw kernel for ``request`` (JAX runs it asynchronously; reading a result waits for it)."""
         padded = request.size + (-request.size) % self.num_shards  # a multiple of the shard count
@@ -605,7 +687,7 @@ class _ConduitEpisodeBuffer:
         draw = self._kernel("draw", candidates, padded, _bucket(high), redraw)
         n = self.rng.integers(low, high + 1, size=candidates, dtype=np.int32) if low < high else \
             np.full(candidates, low, np.int32)
-        self._state, columns, ids, enough = draw(self._state, self._next, n, np.float32(request.beta),
+        self._state, columns, ids, enough = draw(self._state, self._links, n, np.float32(request.beta),
                                                  np.float32(request.gamma), np.uint32(self._draws))
         self._draws += 1
         if padded != request.size:
@@ -742,7 +824,7 @@ class _ConduitEpisodeBuffer:
                          "dtypes": [str(d) for d in spec.dtypes], "keys": [[k, v] for k, v in self._keys.items()]}
         leaves = jax.tree_util.tree_flatten_with_path(self._state)[0]
         state["arrays"] = {jax.tree_util.keystr(path): np.array(leaf) for path, leaf in leaves}
-        state["arrays"]["links"] = np.array(self._next)
+        state["arrays"]["links"] = np.array(self._links)
         return state
 
     def set_state(self, state: dict[str, Any]) -> None:
@@ -776,9 +858,9 @@ class _ConduitEpisodeBuffer:
             arrays = dict(state["arrays"])
             links = np.asarray(arrays.pop("links", None))
             names = [jax.tree_util.keystr(path) for path, _ in leaves]
-            if sorted(names) != sorted(arrays) or links.shape != (self.storage_capacity,):
+            if sorted(names) != sorted(arrays) or links.shape != (3, self.storage_capacity):
                 raise ValueError(f"{name}.set_state(): the state's arrays {sorted(arrays)} do not match this buffer's "
-                                 f"{sorted(names)} + links[{self.storage_capacity}]")
+                                 f"{sorted(names)} + links[3, {self.storage_capacity}]")
             restored = []
             for (path, leaf), key, sharding in zip(leaves, names, shardings):
                 value = np.asarray(arrays[key])
@@ -791,7 +873,7 @@ class _ConduitEpisodeBuffer:
         self._reset()
         if spec is not None:
             self._spec, self._keys = spec, {k: v for k, v in state["spec"]["keys"]}
-            self._state, self._next = restored, jnp.asarray(links.astype(np.int32))
+            self._state, self._links = restored, jnp.asarray(links.astype(np.int32))
         for saved in state["episodes"]:
             segments = [tuple(int(x) for x in pair) for pair in np.asarray(saved["segments"]).reshape(-1, 2)]
             record = StoredEpisode(saved["id"], int(saved["length"]), bool(saved["terminated"]),
