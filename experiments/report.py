@@ -354,7 +354,7 @@ def section_breakdown(res: Results) -> list[str]:
             out += not_run(f"RLlib {algo.upper()} native vs Conduit", default_command(f"rllib_compare_{algo}"))
             continue
         summary = src.data.get("summary") or {}
-        paths = [p for p in ("native", "conduit") if isinstance(summary.get(p), dict)]
+        paths = [p for p in ("native", "conduit", "conduit_scheduled") if isinstance(summary.get(p), dict)]
         if not paths:
             out += not_run(f"`{src.name}` has no summary", default_command(f"rllib_compare_{algo}"))
             continue
@@ -442,22 +442,33 @@ def _jax_breakdown(res: Results) -> list[str]:
     return out
 
 
-def _rllib_changes(src: Source) -> dict | None:
-    """Conduit vs native: exposed (= experience path, sync), iteration, and the part of the iteration change that the
-    experience path's own change accounts for ((conduit - native experience path) / native iteration)."""
+RLLIB_PATHS = (("conduit", "sync"), ("conduit_scheduled", None))  # (path, its schedule; None: the config's)
+
+
+def _rllib_changes(src: Source, path: str = "conduit") -> dict | None:
+    """A Conduit path vs native: exposed (the timed experience path), iteration, and the part of the iteration change
+    that the experience path's own change accounts for ((conduit - native experience path) / native iteration)."""
     summary = src.data.get("summary") or {}
-    change = summary.get("conduit_vs_native")
+    change = summary.get(f"{path}_vs_native")
     if not change:
         return None
     explained = None
     try:
-        n, c = summary["native"], summary["conduit"]
+        n, c = summary["native"], summary[path]
         explained = (float(c["experience_path_s"]["median"]) - float(n["experience_path_s"]["median"])) / \
             float(n["median_s"]["iteration"])
     except (KeyError, TypeError, ValueError, ZeroDivisionError):
         pass
     return {"exposed": change.get("experience_path_change"), "iteration": change.get("iteration_latency_change"),
             "explained": explained}
+
+
+def _rllib_schedule(src: Source, path: str, schedule: str | None) -> str:
+    config = src.data.get("config") or {}
+    if schedule is None:
+        return config.get("schedule", "?")
+    # files from before the scheduled path ran the "conduit" path with --schedule
+    return schedule if "conduit_scheduled" in (config.get("paths") or ()) else config.get("schedule", schedule)
 
 
 def latency_claims(res: Results) -> tuple[list[dict], list[dict]]:
@@ -467,15 +478,17 @@ def latency_claims(res: Results) -> tuple[list[dict], list[dict]]:
     iteration: list[dict] = []
     for algo in ("dqn", "sac", "ppo"):
         src = res.load(f"rllib_compare_{algo}")
-        ch = _rllib_changes(src) if src else None
-        if not ch:
-            continue
-        where = f"RLlib {algo.upper()}, Conduit vs native"
-        if ch["exposed"] is not None:
-            exposed.append({"value": ch["exposed"], "where": where, "quick": src.quick})
-        if ch["iteration"] is not None:
-            iteration.append({"value": ch["iteration"], "where": where, "quick": src.quick,
-                              "explained": ch["explained"]})
+        for path, schedule in RLLIB_PATHS:
+            ch = _rllib_changes(src, path) if src else None
+            if not ch:
+                continue
+            where = f"RLlib {algo.upper()}, Conduit vs native" if path == "conduit" else \
+                f"RLlib {algo.upper()}, Conduit ({_rllib_schedule(src, path, schedule)}) vs native"
+            if ch["exposed"] is not None:
+                exposed.append({"value": ch["exposed"], "where": where, "quick": src.quick})
+            if ch["iteration"] is not None:
+                iteration.append({"value": ch["iteration"], "where": where, "quick": src.quick,
+                                  "explained": ch["explained"]})
     src = res.load("scheduling")
     for r in (src.data.get("rows", []) if src else []):
         if r.get("schedule") in ("sync", None):
@@ -513,18 +526,23 @@ def section_latency(res: Results) -> list[str]:
     rows, missing = [], []
     for algo in ("dqn", "sac", "ppo"):
         src = res.load(f"rllib_compare_{algo}")
-        ch = _rllib_changes(src) if src else None
-        if not ch:
+        found = False
+        for path, schedule in RLLIB_PATHS:
+            ch = _rllib_changes(src, path) if src else None
+            if not ch:
+                continue
+            found = True
+            rows.append([f"RLlib {algo.upper()}", _rllib_schedule(src, path, schedule), pct(ch["exposed"]),
+                         pct(ch["iteration"]), pct(ch["explained"]),
+                         f"[`{src.name}`](results/{src.name})" + (" (quick)" if src.quick else "")])
+        if not found:
             missing.append(algo)
-            continue
-        schedule = (src.data.get("config") or {}).get("schedule", "?")
-        rows.append([f"RLlib {algo.upper()}", schedule, pct(ch["exposed"]), pct(ch["iteration"]),
-                     pct(ch["explained"]), f"[`{src.name}`](results/{src.name})" + (" (quick)" if src.quick else "")])
     if rows:
         out += table(["workload", "Conduit schedule", "exposed experience path", "iteration",
                       "iteration change the experience path accounts for", "source"], rows)
-        out += [("With the synchronous schedule everything runs on the critical path in both configurations, so the "
-                "exposed latency equals the experience path. The fifth column is (Conduit's experience path - "
+        out += [("Every part is timed on RLlib's training thread, so the timed experience path is what is exposed: with "
+                "the synchronous schedule all of it, with a prefetching one what stays in the buffer's calls "
+                "(dispatch, waiting for the batch drawn ahead, RLlib's metrics). The fifth column is (Conduit's experience path - "
                 "native's) / native's iteration: the part of the iteration change the data plane itself explains; "
                 "the rest is other parts of the iteration (env runner, update) differing between the runs."), ""]
     for algo in missing:
@@ -770,7 +788,7 @@ def convergence_of(data: dict) -> dict | None:
     conv = summary.get("convergence")
     out: dict[str, Any] = {}
     if isinstance(conv, dict):
-        for path in ("native", "conduit"):
+        for path in ("native", "conduit", "conduit_scheduled"):
             p = conv.get(path)
             if not isinstance(p, dict):
                 continue
@@ -783,6 +801,9 @@ def convergence_of(data: dict) -> dict | None:
         out.update(t=_first(welch, "t", "welch_t", "t_stat"), dof=_first(welch, "dof", "df", "welch_dof"),
                    p=_first(welch, "p", "p_value", "welch_p"),
                    K=_first(conv, "final_iterations", "K", "k", "last_k", "window"), computed_here=False)
+        scheduled = conv.get("welch_native_vs_conduit_scheduled")
+        if isinstance(scheduled, dict):
+            out["scheduled_welch"] = scheduled
         if "native" in out and "conduit" in out:
             return out
     runs = data.get("runs") or []
@@ -818,17 +839,23 @@ def section_convergence(res: Results) -> list[str]:
             missing.append(algo)
             continue
         n, c = conv["native"], conv["conduit"]
-        p = conv.get("p")
-        same = None if p is None else float(p) >= 0.05
         task = src.data.get("environment") if isinstance(src.data.get("environment"), str) else \
             (src.data.get("config") or {}).get("env", "CartPole-v1")
-        rows.append([f"RLlib {algo.upper()} ({task})", len(n["finals"]), _mean_std(n), _mean_std(c),
-                     "n/a" if conv.get("t") is None else f"{float(conv['t']):+.2f}",
-                     "n/a" if conv.get("dof") is None else f"{float(conv['dof']):.1f}",
-                     "n/a" if p is None else f"{float(p):.3f}",
-                     "n/a" if same is None else ("no significant difference (p >= 0.05)" if same else
-                                                 "**different (p < 0.05)**"),
-                     f"[`{src.name}`](results/{src.name})" + (" (quick)" if src.quick else "")])
+        source = f"[`{src.name}`](results/{src.name})" + (" (quick)" if src.quick else "")
+        compared = [("sync", c, conv)]
+        if "conduit_scheduled" in conv and "scheduled_welch" in conv:
+            schedule = (src.data.get("config") or {}).get("schedule", "scheduled")
+            compared.append((schedule, conv["conduit_scheduled"], conv["scheduled_welch"]))
+        for schedule, mine, welch in compared:
+            p = welch.get("p")
+            same = None if p is None else float(p) >= 0.05
+            label = f"RLlib {algo.upper()} ({task})" + (f", Conduit {schedule}" if len(compared) > 1 else "")
+            rows.append([label, len(n["finals"]), _mean_std(n),
+                         _mean_std(mine), "n/a" if welch.get("t") is None else f"{float(welch['t']):+.2f}",
+                         "n/a" if welch.get("dof") is None else f"{float(welch['dof']):.1f}",
+                         "n/a" if p is None else f"{float(p):.3f}",
+                         "n/a" if same is None else ("no significant difference (p >= 0.05)" if same else
+                                                     "**different (p < 0.05)**"), source])
         if conv.get("computed_here"):
             notes.append(f"{algo.upper()}: `{src.name}` has no `summary.convergence` section; the report took each "
                          "run's last `episode_return_mean` as its final return (K = 1 iteration)")

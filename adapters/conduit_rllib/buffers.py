@@ -48,9 +48,17 @@ kernel draws, follows the links for n-step windows (``Buffer.read``), redraws wh
 weights. An ``add`` that would overwrite a step RLlib keeps (one episode longer than ``2 * capacity``) is refused with
 a ``ValueError`` and changes nothing.
 
-Not supported yet (``NotImplementedError``): multi-agent episodes, sequences for stateful modules
-(``batch_length_T`` > 1, ``lookback`` > 0, the uniform buffer's ``sample_episodes=False``), non-array observations
-(Dict / Tuple spaces), ``schedule`` other than ``"sync"``.
+* **Sequences** (uniform buffer, ``sample_episodes=False``, RLlib's default there): RLlib's ``[B, T]`` batch of
+  ``obs``, ``actions``, ``rewards``, ``is_first``, ``is_last``, ``is_terminated``, ``is_truncated`` (rows that run
+  into another episode from its first step), as NumPy arrays.
+* **Schedules** (``"schedule"``): ``"sync"`` draws in ``sample()``; ``"overlap"`` draws the next batch right after
+  each ``update_priorities`` (uniform: after each ``sample()``), so it runs while RLlib's training step samples the
+  env and adds; ``"deferred"`` right after ``sample()`` (the priority update lands one batch later). A batch drawn
+  ahead is handed over only to the same request (size, n_step, beta, gamma) and never holds a step evicted since;
+  it comes from the buffer as it was when drawn (the newest add is not in it), and ``get_state`` does not hold it.
+
+Not supported yet (``NotImplementedError``): multi-agent episodes, sequences of episodes (``sample_episodes=True``
+with ``batch_length_T`` > 1, ``lookback`` > 0), non-array observations (Dict / Tuple spaces).
 """
 
 from __future__ import annotations
