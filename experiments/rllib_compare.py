@@ -72,11 +72,11 @@ path existed; DQN: 5 seeds x 3 paths)
   minibatches), 430 s.
 
 What they measured (median iteration, conduit vs native; experience-path share native -> conduit): SAC -30.0%
-(34.1% -> 4.8%), DQN sync -2.9% and overlap -12.5% (26.2% -> 14.0% / 10.4%), PPO +11.2% (2.6% -> 6.1%: the plane's epoch staging costs more than
-RLlib's slicing of a 4000-row batch on CPU). Final returns (mean of the last 5 iterations, mean +- std over 3 seeds,
-native vs conduit): SAC -361 +- 101 vs -294 +- 108 (Welch p 0.47), DQN 267 +- 50 vs sync 231 +- 128 (p 0.58; seed 0
-collapses to ~10, the same way when rerun) and overlap 266 +- 49 (p 0.97), PPO 362 +- 103 vs 318 +- 23 (p 0.53):
-no significant difference (tests of low power at 3-5 seeds).
+(34.1% -> 4.8%), DQN sync -2.9% and overlap -12.5% (26.2% -> 14.0% / 10.4%), PPO +11.2% (2.6% -> 6.1%: the plane's
+epoch staging costs more than RLlib's slicing of a 4000-row batch on CPU). Final returns (mean of the last 5
+iterations, mean +- std over the seeds, native vs conduit): SAC -361 +- 101 vs -294 +- 108 (Welch p 0.47), DQN
+267 +- 50 vs sync 231 +- 128 (p 0.58; seed 0 collapses to ~10, the same way when rerun) and overlap 266 +- 49
+(p 0.97), PPO 362 +- 103 vs 318 +- 23 (p 0.53): no significant difference (tests of low power at 3-5 seeds).
 """
 
 from __future__ import annotations

@@ -208,7 +208,8 @@ def test_buffer_n_step_transitions_match_reference(cls):
     starts = {(c, t) for c, length, _ in CHUNKS for t in range(length) if not redraws or t + 3 <= length}
     assert seen == starts
     # another n-step from the same buffer (compiled for it on first use), and a per-item range
-    _check_transitions(_torch_columns(buffer.sample(num_items=32, n_step=2, gamma=gamma, sample_episodes=True)), 2, gamma)
+    shorter = buffer.sample(num_items=32, n_step=2, gamma=gamma, sample_episodes=True)
+    _check_transitions(_torch_columns(shorter), 2, gamma)
     columns = _torch_columns(buffer.sample(num_items=32, n_step=(1, 4), gamma=gamma, sample_episodes=True))
     assert set(np.unique(columns["n_step"])) <= {1, 2, 3}
     with pytest.raises(ValueError, match="n_step"):

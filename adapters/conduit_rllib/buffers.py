@@ -93,6 +93,8 @@ _NARROW = {np.dtype(np.int64): np.dtype(np.int32), np.dtype(np.uint64): np.dtype
            np.dtype(np.float64): np.dtype(np.float32)}
 _KNOWN_KWARGS = {"type", "metrics_num_episodes_for_smoothing"}
 SCHEDULES = ("sync", "overlap", "deferred")
+_BUFFERS: dict = {}  # (layout, sampler batch size) -> functional Buffer; the state is each buffer's own
+_KERNELS: dict = {}  # (layout, kind, static arguments) -> jitted kernel
 
 
 class ConduitBatch(list):
@@ -158,6 +160,7 @@ class _Chunk:
     is_terminated: bool
     is_truncated: bool
     keys: dict = dataclasses.field(default_factory=dict)  # extra / info column -> the key it came from
+    spaces: tuple = (None, None)  # the episode's observation and action spaces
     record: Optional[StoredEpisode] = None  # where it goes (set while planning the add)
 
 
@@ -224,8 +227,8 @@ class _ConduitEpisodeBuffer:
         if not isinstance(capacity, (int, np.integer)) or isinstance(capacity, bool) or capacity < 1:
             raise ValueError(f"{name}: capacity must be an int >= 1 (steps), got {capacity!r}")
         if not isinstance(n_step, int) or n_step < 1:
-            raise ValueError(f"{name}: n_step (the n-step the first kernel is compiled for) must be an int >= 1, got "
-                             f"{n_step!r}")
+            raise ValueError(f"{name}: n_step must be an int >= 1, got {n_step!r} (kept for older configs: sample() "
+                             f"takes any n_step)")
         if deliver not in ("episodes", "torch"):
             raise ValueError(f"{name}: deliver must be 'episodes' or 'torch', got {deliver!r}")
         if schedule not in SCHEDULES:
@@ -266,8 +269,6 @@ class _ConduitEpisodeBuffer:
         self._draws = 0  # sample kernels run (each one's candidate pick uses its own random key)
         self._spec: Optional[ExperienceSpec] = None
         self._keys: dict = {}  # extra_model_outputs / infos column -> the key it stores
-        self._buffers: dict = {}  # sampler batch size -> functional Buffer (all share one state)
-        self._kernels: dict = {}
         self._state = None
         # int32[3, ring]: for each stored step the row of the next step of its episode (-1: none stored yet), of the
         # previous one (-1: the episode's first), and of its episode's first stored step
@@ -283,12 +284,20 @@ class _ConduitEpisodeBuffer:
 
     # -- the functional buffer and its kernels --------------------------------------------------------------------
     def _buffer(self, batch: int):
-        if batch not in self._buffers:
+        key = (self._layout(), batch)
+        if key not in _BUFFERS:
             # beta 1 with buffer normalisation: weights (P / P_min)^-1, raised to the beta each sample() asks for
             sampler = samplers.prioritized(batch, alpha=self.alpha, beta=1.0, eps=PRIORITY_FLOOR, normalise="buffer")
-            self._buffers[batch] = make_buffer(self._spec, self.storage_capacity, sampler,
+            _BUFFERS[key] = make_buffer(self._spec, self.storage_capacity, sampler,
                                                mesh=default_mesh(self.num_shards))
-        return self._buffers[batch]
+        return _BUFFERS[key]
+
+    def _layout(self) -> tuple:
+        """What the functional buffer and the kernels depend on: buffers configured alike share them (and their
+        compiled code), within one process."""
+        spec = self._spec
+        return (self._prioritized, self.alpha, self.storage_capacity, self.num_shards, tuple(spec.names),
+                tuple(map(tuple, spec.shapes)), tuple(map(str, spec.dtypes)))
 
     def _start(self, spec: ExperienceSpec) -> None:
         self._spec = spec
@@ -297,10 +306,10 @@ class _ConduitEpisodeBuffer:
         self._links = jnp.full((3, self.storage_capacity), -1, jnp.int32)
 
     def _kernel(self, kind: str, *static):
-        key = (kind,) + static
-        if key not in self._kernels:
-            self._kernels[key] = getattr(self, f"_make_{kind}")(*static)
-        return self._kernels[key]
+        key = (self._layout(), kind) + static
+        if key not in _KERNELS:
+            _KERNELS[key] = getattr(self, f"_make_{kind}")(*static)
+        return _KERNELS[key]
 
     def _make_ingest(self):
         buffer = self._buffer(self.num_shards)
@@ -324,13 +333,11 @@ class _ConduitEpisodeBuffer:
         the first ``size`` whose window fits (``redraw``: RLlib's PER resampling) or all of them (windows clipped at
         the episode's end), and the importance weights for ``beta``."""
         buffer = self._buffer(candidates)
-        first_keys = [k for k in self._spec.names if k == "obs" or k == "action" or k.startswith(("extra__", "info__"))]
-        end_keys = ["next_obs", "terminated", "truncated"] + [k for k in self._spec.names if k.startswith("next_info__")]
+        at_start = [k for k in self._spec.names if k.startswith(("extra__", "info__"))]  # of step t
+        at_end = [k for k in self._spec.names if k.startswith("next_info__")]  # of the window's last step
         prioritized = self._prioritized
 
-        seed = self.seed
-
-        def draw(state, links, n, beta, gamma, counter):
+        def draw(state, links, n, beta, gamma, seed, counter):
             key = jax.random.fold_in(jax.random.key(seed), counter)
             state, delivery = buffer.sample(state)
             rows = delivery.ids[:, 0]
@@ -354,8 +361,8 @@ class _ConduitEpisodeBuffer:
                        Columns.ACTIONS: delivery.data["action"], Columns.REWARDS: ret,
                        Columns.TERMINATEDS: end["terminated"], Columns.TRUNCATEDS: end["truncated"],
                        "n_step": used, "weights": weights.astype(jnp.float32)}
-            columns.update({k: delivery.data[k] for k in first_keys if k not in ("obs", "action")})
-            columns.update({k: end[k] for k in end_keys[3:]})
+            columns.update({k: delivery.data[k] for k in at_start})
+            columns.update({k: end[k] for k in at_end})
             columns = {k: v[order] for k, v in columns.items()}
             return state, columns, delivery.ids[order], enough & delivery.valid
 
@@ -437,9 +444,8 @@ class _ConduitEpisodeBuffer:
                 values = _narrowed(name, "infos key", key, [info[key] for info in infos])
                 origin[f"info__{key}"] = origin[f"next_info__{key}"] = key
                 columns[f"info__{key}"], columns[f"next_info__{key}"] = values[:-1], values[1:]
-        if self.observation_space is None:
-            self.observation_space, self.action_space = episode.observation_space, episode.action_space
-        return _Chunk(episode.id_, columns, length, bool(episode.is_terminated), bool(episode.is_truncated), origin)
+        return _Chunk(episode.id_, columns, length, bool(episode.is_terminated), bool(episode.is_truncated), origin,
+                      spaces=(episode.observation_space, episode.action_space))
 
     def _check_spec(self, spec: ExperienceSpec, chunk: _Chunk) -> None:
         name = type(self).__name__
@@ -522,9 +528,6 @@ class _ConduitEpisodeBuffer:
                                                           for k, v in chunks[0].columns.items()})
         for chunk in chunks:
             self._check_spec(spec, chunk)
-        if self._spec is None:
-            self._start(spec)
-            self._keys = dict(chunks[0].keys)
         order, live, written, evicted, pending, timesteps, added, episodes_added, steps_added = self._plan(chunks)
         # where the written chunks go, and whether every step RLlib keeps is still in the ring afterwards
         item, segments, rows, patches = self._items, collections.defaultdict(list), [], []
@@ -545,9 +548,12 @@ class _ConduitEpisodeBuffer:
             if oldest < item - self.storage_capacity:
                 raise ValueError(f"{name}.add(): after this add the buffer would keep {timesteps} steps, the oldest "
                                  f"of episode {order[0].id_!r} {item - oldest} steps back, more than the "
-                                 f"{self.storage_capacity} steps it stores ({STORAGE_FACTOR} x capacity={self.capacity});"
-                                 f" raise capacity (nothing was added)")
+                                 f"{self.storage_capacity} steps it stores ({STORAGE_FACTOR} x capacity="
+                                 f"{self.capacity}); raise capacity (nothing was added)")
         # commit: write, link, retire the evicted steps, then the host index
+        if self._spec is None:
+            self._start(spec)
+            self._keys = dict(chunks[0].keys)
         batch = {key: np.concatenate([chunk.columns[key] for chunk in written]) for key in self._spec.names} \
             if written else None
         if batch is not None:
@@ -573,6 +579,8 @@ class _ConduitEpisodeBuffer:
         for record in {id(chunk.record): chunk.record for chunk in written}.values():
             record.segments.extend(segments[id(record)])
         self._order, self._live, self._items = order, live, item
+        if self.observation_space is None:
+            self.observation_space, self.action_space = chunks[0].spaces
         self._num_timesteps, self._num_timesteps_added = timesteps, added
         self._num_episodes_evicted += len(evicted)
         self._log_add(steps_added, episodes_added, len(evicted), steps_evicted)
@@ -696,7 +704,8 @@ class _ConduitEpisodeBuffer:
         n = self.rng.integers(low, high + 1, size=candidates, dtype=np.int32) if low < high else \
             np.full(candidates, low, np.int32)
         self._state, columns, ids, enough = draw(self._state, self._links, n, np.float32(request.beta),
-                                                 np.float32(request.gamma), np.uint32(self._draws))
+                                                 np.float32(request.gamma), np.uint32(self.seed),
+                                                 np.uint32(self._draws))
         self._draws += 1
         if padded != request.size:
             columns, ids = {k: v[:request.size] for k, v in columns.items()}, ids[:request.size]
