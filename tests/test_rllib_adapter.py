@@ -538,3 +538,28 @@ def _restore(config, path):
     algo = config.build_algo()
     algo.restore(path)
     return algo
+
+
+def test_buffer_refuses_what_it_cannot_store_and_changes_nothing():
+    """An add that would overwrite a step RLlib keeps (one episode longer than the 2 x capacity ring), infos that are
+    not numbers, and extra_model_outputs keys that change between episodes are refused, naming what, with nothing
+    stored."""
+    buffer = conduit_rllib.ConduitPrioritizedEpisodeReplayBuffer(capacity=10)
+    buffer.add(_unique_episodes(0, 1, length=8))
+    long = SingleAgentEpisode(id_="long", observations=[0.5], len_lookback_buffer=0)
+    for t in range(25):
+        long.add_env_step(observation=float(t), action=t, reward=1.0)
+    before = (buffer.get_num_timesteps(), buffer.get_num_episodes(), buffer.get_added_timesteps(), buffer.stats())
+    with pytest.raises(ValueError, match="raise capacity"):
+        buffer.add(long)
+    texts = SingleAgentEpisode(observations=[0.0], infos=[{"tag": "a"}], len_lookback_buffer=0)
+    texts.add_env_step(observation=1.0, action=0, reward=1.0, infos={"tag": "b"})
+    with pytest.raises(ValueError, match="'tag'"):
+        buffer.add(texts)
+    extra = SingleAgentEpisode(observations=[0.0], len_lookback_buffer=0)
+    extra.add_env_step(observation=1.0, action=0, reward=1.0, extra_model_outputs={"logp": -0.5})
+    with pytest.raises(ValueError, match="columns"):
+        buffer.add(extra)
+    assert (buffer.get_num_timesteps(), buffer.get_num_episodes(), buffer.get_added_timesteps(), buffer.stats()) == \
+        before
+    assert {float(e.get_observations(0)) // 1000 for e in buffer.sample(16)} == {0.0}
