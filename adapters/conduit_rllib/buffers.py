@@ -283,19 +283,20 @@ class _ConduitEpisodeBuffer:
         return list(self._order)
 
     # -- the functional buffer and its kernels --------------------------------------------------------------------
-    def _buffer(self, batch: int):
-        key = (self._layout(), batch)
+    def _buffer(self, batch: int, spec: Optional[ExperienceSpec] = None):
+        """The functional buffer drawing ``batch`` items, for this buffer's spec (or ``spec``)."""
+        spec = spec or self._spec
+        key = (self._layout(spec), batch)
         if key not in _BUFFERS:
             # beta 1 with buffer normalisation: weights (P / P_min)^-1, raised to the beta each sample() asks for
             sampler = samplers.prioritized(batch, alpha=self.alpha, beta=1.0, eps=PRIORITY_FLOOR, normalise="buffer")
-            _BUFFERS[key] = make_buffer(self._spec, self.storage_capacity, sampler,
-                                               mesh=default_mesh(self.num_shards))
+            _BUFFERS[key] = make_buffer(spec, self.storage_capacity, sampler, mesh=default_mesh(self.num_shards))
         return _BUFFERS[key]
 
-    def _layout(self) -> tuple:
+    def _layout(self, spec: Optional[ExperienceSpec] = None) -> tuple:
         """What the functional buffer and the kernels depend on: buffers configured alike share them (and their
         compiled code), within one process."""
-        spec = self._spec
+        spec = spec or self._spec
         return (self._prioritized, self.alpha, self.storage_capacity, self.num_shards, tuple(spec.names),
                 tuple(map(tuple, spec.shapes)), tuple(map(str, spec.dtypes)))
 
@@ -657,7 +658,8 @@ class _ConduitEpisodeBuffer:
         self._last_ids = drawn.ids
         self._last_request = request
         self.sampled_timesteps += size
-        self._log_sample(size, n_step, attempt)
+        self._log_sample(size, float(np.mean(n_step)) if isinstance(n_step, (tuple, list)) else float(n_step or 1),
+                         attempt)
         if self.schedule == "deferred" or (self.schedule == "overlap" and not self._prioritized):
             self._prefetched = self._draw(request)  # runs while the learner updates (async dispatch)
         if self.deliver == "torch":
@@ -679,15 +681,7 @@ class _ConduitEpisodeBuffer:
         self._state, out = self._kernel("sequences", padded, int(length))(self._state, self._links)
         out = {k: np.asarray(v)[:size] for k, v in jax.device_get(out).items()}
         self.sampled_timesteps += size * length
-        steps, agent, module = size * length, DEFAULT_AGENT_ID, DEFAULT_MODULE_ID
-        EpisodeReplayBuffer._update_sample_metrics(
-            self, num_env_steps_sampled=steps, num_episodes_per_sample=0, num_env_steps_per_sample=steps,
-            sampled_n_step=None, num_resamples=0, agent_to_num_steps_sampled={agent: steps},
-            agent_to_num_episodes_per_sample={agent: 0}, agent_to_num_steps_per_sample={agent: steps},
-            agent_to_sampled_n_step=None, agent_to_num_resamples={agent: 0},
-            module_to_num_steps_sampled={module: steps}, module_to_num_episodes_per_sample={module: 0},
-            module_to_num_steps_per_sample={module: steps}, module_to_sampled_n_step=None,
-            module_to_num_resamples={module: 0})
+        self._log_sample(size * length, None, 0)
         self.timings["sample"] += time.perf_counter() - start
         return out
 
@@ -730,16 +724,17 @@ class _ConduitEpisodeBuffer:
         return {k: v for k, v in columns.items() if not (k.startswith(("info__", "next_info__")) and not infos)
                 and not (k.startswith("extra__") and not extras)}
 
-    def _log_sample(self, size: int, n_step, resamples: int) -> None:
-        mean_n = float(np.mean(n_step)) if isinstance(n_step, (tuple, list)) else float(n_step or 1)
+    def _log_sample(self, steps: int, mean_n: Optional[float], resamples: int) -> None:
+        """RLlib's sample metrics; ``mean_n`` None for sequence batches (RLlib logs no n-step there)."""
         agent, module = DEFAULT_AGENT_ID, DEFAULT_MODULE_ID
         EpisodeReplayBuffer._update_sample_metrics(
-            self, num_env_steps_sampled=size, num_episodes_per_sample=0, num_env_steps_per_sample=size,
-            sampled_n_step=mean_n, num_resamples=resamples, agent_to_num_steps_sampled={agent: size},
-            agent_to_num_episodes_per_sample={agent: 0}, agent_to_num_steps_per_sample={agent: size},
-            agent_to_sampled_n_step={agent: mean_n}, agent_to_num_resamples={agent: resamples},
-            module_to_num_steps_sampled={module: size}, module_to_num_episodes_per_sample={module: 0},
-            module_to_num_steps_per_sample={module: size}, module_to_sampled_n_step={module: mean_n},
+            self, num_env_steps_sampled=steps, num_episodes_per_sample=0, num_env_steps_per_sample=steps,
+            sampled_n_step=mean_n, num_resamples=resamples, agent_to_num_steps_sampled={agent: steps},
+            agent_to_num_episodes_per_sample={agent: 0}, agent_to_num_steps_per_sample={agent: steps},
+            agent_to_sampled_n_step=None if mean_n is None else {agent: mean_n},
+            agent_to_num_resamples={agent: resamples}, module_to_num_steps_sampled={module: steps},
+            module_to_num_episodes_per_sample={module: 0}, module_to_num_steps_per_sample={module: steps},
+            module_to_sampled_n_step=None if mean_n is None else {module: mean_n},
             module_to_num_resamples={module: resamples})
 
     def _episodes(self, columns: dict, to_numpy: bool, infos: bool, extras: bool) -> list:
@@ -866,9 +861,7 @@ class _ConduitEpisodeBuffer:
             recorded = state["spec"]
             spec = ExperienceSpec.from_structs({n: jax.ShapeDtypeStruct(tuple(s), np.dtype(d)) for n, s, d in
                                                 zip(recorded["names"], recorded["shapes"], recorded["dtypes"])})
-            buffer = make_buffer(spec, self.storage_capacity, samplers.prioritized(
-                self.num_shards, alpha=self.alpha, beta=1.0, eps=PRIORITY_FLOOR, normalise="buffer"),
-                mesh=default_mesh(self.num_shards))
+            buffer = self._buffer(self.num_shards, spec)
             template = jax.eval_shape(lambda: buffer.init(0))
             leaves, treedef = jax.tree_util.tree_flatten_with_path(template)
             shardings = jax.tree_util.tree_leaves(buffer.shardings)
