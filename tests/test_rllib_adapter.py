@@ -462,6 +462,37 @@ def test_dqn_prioritized_trains_through_dlpack(ray_session, schedule):
         algo.stop()
 
 
+def test_multi_agent_dqn_trains_on_the_conduit_buffer(ray_session):
+    """RLlib's multi-agent DQN (two policies on MultiAgentCartPole), training_step unchanged, on the multi-agent PER
+    buffer with the overlap schedule: each module is sampled exactly what its learner trains on, and RLlib passes
+    each module's TD errors back."""
+    from ray.rllib.algorithms.dqn import DQNConfig
+    from ray.rllib.examples.envs.classes.multi_agent import MultiAgentCartPole
+    from ray.tune.registry import register_env
+
+    register_env("conduit_ma_cartpole", lambda _: MultiAgentCartPole({"num_agents": 2}))
+    config = (DQNConfig().environment("conduit_ma_cartpole")
+              .multi_agent(policies={"p0", "p1"}, policy_mapping_fn=lambda agent_id, *_, **__: f"p{agent_id}")
+              .env_runners(num_env_runners=0, rollout_fragment_length=16)
+              .training(train_batch_size=32, num_steps_sampled_before_learning_starts=64, n_step=3,
+                        replay_buffer_config={"type": "conduit_rllib.ConduitMultiAgentPrioritizedEpisodeReplayBuffer",
+                                              "capacity": 2000, "alpha": 0.6, "beta": 0.4, "schedule": "overlap"})
+              .reporting(min_sample_timesteps_per_iteration=64).debugging(seed=0))
+    algo = config.build_algo()
+    try:
+        for _ in range(3):
+            result = algo.train()
+        buffer = algo.local_replay_buffer
+        assert isinstance(buffer, conduit_rllib.ConduitMultiAgentPrioritizedEpisodeReplayBuffer)
+        assert sorted(buffer.get_module_ids()) == ["p0", "p1"] and len(buffer) == 192
+        for module_id in ("p0", "p1"):
+            trained = int(result["learners"][module_id]["num_module_steps_trained_lifetime"])
+            assert trained > 0 and buffer.get_sampled_timesteps(module_id) == trained
+        assert buffer.timings["update_priorities"] > 0  # RLlib passed each module's TD errors
+    finally:
+        algo.stop()
+
+
 def test_sac_trains_with_conduit_buffers(ray_session):
     for deliver, buffer_type in (("episodes", "ConduitEpisodeReplayBuffer"),
                                  ("torch", "ConduitPrioritizedEpisodeReplayBuffer")):

@@ -238,6 +238,8 @@ def test_state_round_trip_keeps_counts_and_contents(cls):
     stored = {int(e.id_) for e in buffer.episodes}
     for e in restored.sample(batch_size_B=64, n_step=1):
         assert e.get_observations(0) // 1000 in stored
+        if cls is not PrioritizedEpisodeReplayBuffer:  # RLlib's PER gives each sampled step a fresh episode id
+            assert int(e.id_) == e.get_observations(0) // 1000  # the stored episode's id, as RLlib's ERB does
 
 
 # -- sequences --------------------------------------------------------------------------------------------------------

@@ -1,7 +1,9 @@
 """conduit_rllib: Conduit-JAX as RLlib's experience path (ray 2.60, new API stack, torch learners).
 
 * Replay buffers (``replay_buffer_config={"type": "conduit_rllib.<ClassName>", ...}``):
-  ``ConduitEpisodeReplayBuffer`` (uniform), ``ConduitPrioritizedEpisodeReplayBuffer`` (PER) -- ``buffers.py``.
+  ``ConduitEpisodeReplayBuffer`` (uniform), ``ConduitPrioritizedEpisodeReplayBuffer`` (PER), and for multi-agent
+  episodes ``ConduitMultiAgentEpisodeReplayBuffer``, ``ConduitMultiAgentPrioritizedEpisodeReplayBuffer`` --
+  ``buffers.py``.
 * Learners fed through DLPack (``config.training(learner_class=...)``): ``ConduitDQNTorchLearner``,
   ``ConduitSACTorchLearner`` (with ``deliver="torch"`` buffers) -- ``learners.py``; ``ConduitPPOTorchLearner`` (GAE
   in JAX, epoch minibatches from a plane) -- ``ppo.py``.
@@ -13,7 +15,9 @@
 This package is the only place where Conduit code imports torch or ray; ``conduit_jax`` never does.
 """
 
-from conduit_rllib.buffers import ConduitBatch, ConduitEpisodeReplayBuffer, ConduitPrioritizedEpisodeReplayBuffer
+from conduit_rllib.buffers import (ConduitBatch, ConduitEpisodeReplayBuffer, ConduitMultiAgentEpisodeReplayBuffer,
+                                   ConduitMultiAgentPrioritizedEpisodeReplayBuffer,
+                                   ConduitPrioritizedEpisodeReplayBuffer)
 from conduit_rllib.algorithms import ConduitDQN, ConduitSAC, ConduitSACConfig, with_buffer_checkpoints
 from conduit_rllib.checkpoint import BufferCheckpointError, BufferCheckpointMixin, load_buffer, save_buffer
 from conduit_rllib.dlpack import jax_shards_to_torch, jax_to_torch, shares_memory, torch_to_jax
@@ -24,7 +28,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BufferCheckpointError", "BufferCheckpointMixin", "ConduitBatch", "ConduitDQN", "ConduitDQNTorchLearner",
-    "ConduitEpisodeReplayBuffer", "ConduitGAE", "ConduitLearnerMixin", "ConduitPPOTorchLearner",
+    "ConduitEpisodeReplayBuffer", "ConduitGAE", "ConduitLearnerMixin", "ConduitMultiAgentEpisodeReplayBuffer",
+    "ConduitMultiAgentPrioritizedEpisodeReplayBuffer", "ConduitPPOTorchLearner",
     "ConduitPrioritizedEpisodeReplayBuffer", "ConduitSAC", "ConduitSACConfig", "ConduitSACTorchLearner", "EpochStaging",
     "jax_shards_to_torch", "jax_to_torch", "load_buffer", "save_buffer", "shares_memory", "torch_to_jax",
     "with_buffer_checkpoints",

@@ -57,8 +57,20 @@ a ``ValueError`` and changes nothing.
   ahead is handed over only to the same request (size, n_step, beta, gamma) and never holds a step evicted since;
   it comes from the buffer as it was when drawn (the newest add is not in it), and ``get_state`` does not hold it.
 
-Not supported yet (``NotImplementedError``): multi-agent episodes, sequences of episodes (``sample_episodes=True``
-with ``batch_length_T`` > 1, ``lookback`` > 0), non-array observations (Dict / Tuple spaces).
+* **Multi-agent** (``ConduitMultiAgentEpisodeReplayBuffer``, ``ConduitMultiAgentPrioritizedEpisodeReplayBuffer``,
+  for RLlib's ``MultiAgentEpisodeReplayBuffer`` / ``MultiAgentPrioritizedEpisodeReplayBuffer``): whole oldest
+  multi-agent episodes are evicted once per ``add`` while more than ``capacity`` env steps are stored (RLlib's rule),
+  with RLlib's overall and per-module counts (``get_num_timesteps(module_id)`` counts that module's agent steps).
+  Each module's agent steps live in their own Conduit buffer (its own sum tree, largest priority and weight
+  normalisation), whose ring holds ``2 * capacity`` steps per agent the module serves (``agents_per_module``
+  overrides the count taken from the first episode). ``sample()`` is RLlib's independent mode: ``B`` transitions per
+  module (``modules_to_sample``), as 1-step single-agent episodes naming their agent, module and multi-agent
+  episode; a window past its episode's end is redrawn, as RLlib does in both multi-agent classes.
+  ``update_priorities(td, module_id)`` as RLlib's DQN calls it; the schedules work per module.
+
+Not supported yet (``NotImplementedError``): sequences of episodes (``sample_episodes=True`` with ``batch_length_T``
+> 1, ``lookback`` > 0; multi-agent: any ``batch_length_T`` > 1), the multi-agent ``replay_mode="synchronized"``,
+non-array observations (Dict / Tuple spaces); ``deliver="torch"`` is single-agent only.
 """
 
 from __future__ import annotations
@@ -79,6 +91,9 @@ from ray.rllib.env.single_agent_episode import SingleAgentEpisode
 from ray.rllib.utils import force_list
 from ray.rllib.utils.metrics.metrics_logger import MetricsLogger
 from ray.rllib.utils.replay_buffers.episode_replay_buffer import EpisodeReplayBuffer
+from ray.rllib.utils.replay_buffers.multi_agent_episode_buffer import MultiAgentEpisodeReplayBuffer
+from ray.rllib.utils.replay_buffers.multi_agent_prioritized_episode_buffer import (
+    MultiAgentPrioritizedEpisodeReplayBuffer)
 from ray.rllib.utils.replay_buffers.prioritized_episode_buffer import PrioritizedEpisodeReplayBuffer
 
 from conduit_jax import ExperienceSpec, default_mesh, make_buffer, samplers
@@ -86,7 +101,7 @@ from conduit_jax import ExperienceSpec, default_mesh, make_buffer, samplers
 logger = logging.getLogger(__name__)
 
 STATE_FORMAT = "conduit_rllib.episode_replay_buffer"
-STATE_VERSION = 2
+STATE_VERSION = 3
 STORAGE_FACTOR = 2  # the ring holds this many times `capacity` steps (see the module docstring)
 PRIORITY_FLOOR = 1e-12  # RLlib's smallest priority
 _NARROW = {np.dtype(np.int64): np.dtype(np.int32), np.dtype(np.uint64): np.dtype(np.uint32),
@@ -139,6 +154,9 @@ class StoredEpisode:
     is_terminated: bool = False
     is_truncated: bool = False
     segments: list = dataclasses.field(default_factory=list)
+    agent_id: Any = None  # the agent, module and multi-agent episode the steps belong to (as RLlib's episode says)
+    module_id: Any = None
+    multi_agent_episode_id: Any = None
 
     def __len__(self) -> int:
         return self.length
@@ -161,6 +179,7 @@ class _Chunk:
     is_truncated: bool
     keys: dict = dataclasses.field(default_factory=dict)  # extra / info column -> the key it came from
     spaces: tuple = (None, None)  # the episode's observation and action spaces
+    owner: tuple = (None, None, None)  # agent_id, module_id, multi_agent_episode_id
     record: Optional[StoredEpisode] = None  # where it goes (set while planning the add)
 
 
@@ -171,6 +190,28 @@ class _Request(NamedTuple):
     n_range: tuple  # (low, high), inclusive
     beta: float
     gamma: float
+
+
+class _Plan(NamedTuple):
+    """A checked add, laid out by ``_prepare`` and applied by ``_commit``."""
+
+    order: collections.deque  # the episode index afterwards, oldest first
+    live: dict
+    written: list  # the chunks stored (an evicted episode's new chunks are not)
+    evicted: list  # StoredEpisode
+    pending: dict
+    timesteps: int
+    added: int
+    episodes_added: int
+    steps_added: int
+    steps_evicted: int
+    spec: Optional[ExperienceSpec] = None
+    keys: dict = {}
+    spaces: tuple = (None, None)
+    item: int = 0  # the next insertion index afterwards
+    segments: dict = {}  # id(record) -> the (first item, count) chunks it gains
+    rows: list = []
+    patches: list = []
 
 
 class _Drawn(NamedTuple):
@@ -213,6 +254,7 @@ class _ConduitEpisodeBuffer:
     """The shared implementation; the public classes below add RLlib's base class."""
 
     _prioritized = False
+    _redraws = False  # redraw a step whose episode ends within n steps (RLlib's PER and multi-agent buffers do)
 
     def __init__(self, capacity: int = 10000, *, batch_size_B: int = 16, batch_length_T: int = 1,
                  metrics_num_episodes_for_smoothing: int = 100, n_step: int = 1, alpha: float = 1.0,
@@ -220,7 +262,7 @@ class _ConduitEpisodeBuffer:
                  schedule: str = "sync", **kwargs):
         # RLlib's parent constructors are not run on purpose (they allocate the Python episode deque and, for PER,
         # segment trees of 2 * capacity nodes); set what RLlib code reads from a buffer
-        name = type(self).__name__
+        name = self._name
         unknown = set(kwargs) - _KNOWN_KWARGS
         if unknown:
             logger.warning("%s: ignoring unknown replay_buffer_config keys %s", name, sorted(unknown))
@@ -258,6 +300,11 @@ class _ConduitEpisodeBuffer:
         self.storage_capacity = storage + (-storage) % num_shards
         self._reset()
 
+    @property
+    def _name(self) -> str:
+        """How error messages name this buffer."""
+        return type(self).__name__
+
     def _reset(self) -> None:
         self._order: collections.deque = collections.deque()  # StoredEpisode, oldest first
         self._live: dict = {}  # episode id -> StoredEpisode
@@ -273,6 +320,10 @@ class _ConduitEpisodeBuffer:
         # int32[3, ring]: for each stored step the row of the next step of its episode (-1: none stored yet), of the
         # previous one (-1: the episode's first), and of its episode's first stored step
         self._links = None
+        # host side: for each ring row the insertion index of its episode's first step, and the episodes by it (a
+        # sampled step's episode id, agent and module)
+        self._owner = np.full(self.storage_capacity, -1, np.int64)
+        self._by_first: dict = {}
         self._last_ids = None
         self._last_request: Optional[_Request] = None
         self._prefetched: Optional[_Drawn] = None  # the next batch, drawn ahead (schedule overlap / deferred)
@@ -410,13 +461,18 @@ class _ConduitEpisodeBuffer:
     # -- add ------------------------------------------------------------------------------------------------------
     def _chunk(self, episode) -> _Chunk:
         """An episode chunk's columns, checked (nothing is stored before every chunk of an ``add`` passed)."""
-        name = type(self).__name__
+        name = self._name
         if isinstance(episode, MultiAgentEpisode):
-            raise NotImplementedError(f"{name}: multi-agent episodes are not supported yet")
+            raise TypeError(f"{name}.add(): got a MultiAgentEpisode; use ConduitMultiAgentEpisodeReplayBuffer or "
+                            f"ConduitMultiAgentPrioritizedEpisodeReplayBuffer for multi-agent episodes")
         length = len(episode)
         obs = episode.get_observations(slice(0, length + 1))
         if isinstance(obs, list):  # an episode not yet turned into NumPy holds lists of per-step arrays
-            obs = np.asarray(obs)
+            try:
+                obs = np.asarray(obs)
+            except ValueError as exc:
+                raise ValueError(f"{name}.add(): episode {episode.id_!r}: its observations differ in shape ({exc}; "
+                                 f"nothing was added)") from None
         if not isinstance(obs, np.ndarray) or obs.dtype == object:
             raise NotImplementedError(f"{name}: observations must be arrays (Box / Discrete spaces); got "
                                       f"{type(obs).__name__}")
@@ -446,10 +502,11 @@ class _ConduitEpisodeBuffer:
                 origin[f"info__{key}"] = origin[f"next_info__{key}"] = key
                 columns[f"info__{key}"], columns[f"next_info__{key}"] = values[:-1], values[1:]
         return _Chunk(episode.id_, columns, length, bool(episode.is_terminated), bool(episode.is_truncated), origin,
-                      spaces=(episode.observation_space, episode.action_space))
+                      spaces=(episode.observation_space, episode.action_space),
+                      owner=(episode.agent_id, episode.module_id, episode.multi_agent_episode_id))
 
     def _check_spec(self, spec: ExperienceSpec, chunk: _Chunk) -> None:
-        name = type(self).__name__
+        name = self._name
         if set(chunk.columns) != set(spec.names):
             raise ValueError(f"{name}.add(): episode {chunk.id_!r} has columns {sorted(chunk.columns)}, the buffer "
                              f"stores {sorted(spec.names)} (infos / extra_model_outputs keys are fixed by the first "
@@ -460,19 +517,19 @@ class _ConduitEpisodeBuffer:
                 raise ValueError(f"{name}.add(): episode {chunk.id_!r}: {key} is {value.dtype}{list(value.shape[1:])}"
                                  f" per step, the buffer stores {dtype}{list(shape)} (nothing was added)")
 
-    def _plan(self, chunks: list):
-        """RLlib's eviction, on copies of the episode index: (order, live, written chunks, evicted episodes, pending
-        lengths, counters). The uniform buffer follows ``EpisodeReplayBuffer.add`` (evict after each episode while more
-        than ``capacity`` steps and more than one episode are stored), the prioritized one
-        ``PrioritizedEpisodeReplayBuffer.add`` (count every new step first, evict while over capacity and more than one
-        episode would remain, drop the new chunks of an evicted episode)."""
+    def _plan(self, chunks: list, evict: Optional[list] = None) -> "_Plan":
+        """RLlib's eviction, on copies of the episode index. The uniform buffer follows ``EpisodeReplayBuffer.add``
+        (evict after each episode while more than ``capacity`` steps and more than one episode are stored), the
+        prioritized one ``PrioritizedEpisodeReplayBuffer.add`` (count every new step first, evict while over capacity
+        and more than one episode would remain, drop the new chunks of an evicted episode). With ``evict`` (episode
+        ids) the caller decided: those episodes go, nothing else does (the multi-agent buffers' rule)."""
         order, live = collections.deque(self._order), dict(self._live)
         pending = collections.defaultdict(int)  # id(record) -> steps this add gives it
         timesteps, added = self._num_timesteps, self._num_timesteps_added
         evicted, episodes_added, steps_added = [], 0, 0
 
-        def evict():
-            old = order.popleft()
+        def drop(old):
+            order.remove(old)
             del live[old.id_]
             evicted.append(old)
             return old
@@ -482,20 +539,29 @@ class _ConduitEpisodeBuffer:
             record = live.get(chunk.id_)
             if record is None:
                 record = StoredEpisode(chunk.id_)
+                record.agent_id, record.module_id, record.multi_agent_episode_id = chunk.owner
                 live[chunk.id_] = record
                 order.append(record)
                 episodes_added += 1
             chunk.record = record
             pending[id(record)] += chunk.length
 
-        if not self._prioritized:
+        if evict is not None:
+            for old in [live[i] for i in evict if i in live]:
+                timesteps -= drop(old).length
+            for chunk in chunks:
+                timesteps += chunk.length
+                added += chunk.length
+                steps_added += chunk.length
+                place(chunk)
+        elif not self._prioritized:
             for chunk in chunks:
                 timesteps += chunk.length
                 added += chunk.length
                 steps_added += chunk.length
                 place(chunk)
                 while timesteps > self.capacity and len(order) > 1:
-                    old = evict()
+                    old = drop(order[0])
                     timesteps -= old.length + pending[id(old)]
         else:
             new_ids = [chunk.id_ for chunk in chunks]
@@ -503,7 +569,7 @@ class _ConduitEpisodeBuffer:
             added += sum(chunk.length for chunk in chunks)
             evicted_ids = set()
             while timesteps > self.capacity and order and len((set(live) | set(new_ids)) - evicted_ids) != 1:
-                old = evict()
+                old = drop(order[0])
                 evicted_ids.add(old.id_)
                 if old.id_ in new_ids:  # RLlib takes back the first new chunk of an episode it evicts
                     first = chunks[new_ids.index(old.id_)].length
@@ -517,22 +583,31 @@ class _ConduitEpisodeBuffer:
                 steps_added += chunk.length
         gone = {id(record) for record in evicted}
         written = [chunk for chunk in chunks if id(chunk.record) not in gone]
-        return order, live, written, evicted, pending, timesteps, added, episodes_added, steps_added
+        return _Plan(order, live, written, evicted, pending, timesteps, added, episodes_added, steps_added,
+                     sum(record.length + pending[id(record)] for record in evicted))
 
     def add(self, episodes: Union[list, SingleAgentEpisode]) -> None:
         start = time.perf_counter()
-        name = type(self).__name__
         chunks = [self._chunk(episode) for episode in force_list(episodes) if len(episode) > 0]
         if not chunks:
             return
-        spec = self._spec or ExperienceSpec.from_structs({k: jax.ShapeDtypeStruct(v.shape[1:], v.dtype)
-                                                          for k, v in chunks[0].columns.items()})
+        plan = self._prepare(chunks)
+        self._commit(plan)
+        self._log_add(plan.steps_added, plan.episodes_added, len(plan.evicted), plan.steps_evicted)
+        self.timings["add"] += time.perf_counter() - start
+
+    def _prepare(self, chunks: list, evict: Optional[list] = None) -> "_Plan":
+        """Everything an add does, checked and laid out, with nothing changed yet (``_commit`` applies it): the
+        columns against the stored spec, RLlib's eviction (``_plan``), where each step goes and whether every step
+        kept is still in the ring afterwards."""
+        name = self._name
+        spec = self._spec or (ExperienceSpec.from_structs({k: jax.ShapeDtypeStruct(v.shape[1:], v.dtype)
+                                                           for k, v in chunks[0].columns.items()}) if chunks else None)
         for chunk in chunks:
             self._check_spec(spec, chunk)
-        order, live, written, evicted, pending, timesteps, added, episodes_added, steps_added = self._plan(chunks)
-        # where the written chunks go, and whether every step RLlib keeps is still in the ring afterwards
+        plan = self._plan(chunks, evict)
         item, segments, rows, patches = self._items, collections.defaultdict(list), [], []
-        for chunk in written:
+        for chunk in plan.written:
             record = chunk.record
             before = record.segments + segments[id(record)]
             steps = np.arange(item, item + chunk.length, dtype=np.int64)
@@ -544,26 +619,33 @@ class _ConduitEpisodeBuffer:
             rows.append(np.stack([steps, following, preceding, np.full_like(steps, before[0][0] if before else item)]))
             segments[id(record)].append((item, chunk.length))
             item += chunk.length
-        if order:
-            oldest = (order[0].segments or segments[id(order[0])])[0][0]
+        if plan.order:
+            oldest = (plan.order[0].segments or segments[id(plan.order[0])])[0][0]
             if oldest < item - self.storage_capacity:
-                raise ValueError(f"{name}.add(): after this add the buffer would keep {timesteps} steps, the oldest "
-                                 f"of episode {order[0].id_!r} {item - oldest} steps back, more than the "
+                raise ValueError(f"{name}.add(): after this add the buffer would keep {plan.timesteps} steps, the "
+                                 f"oldest of episode {plan.order[0].id_!r} {item - oldest} steps back, more than the "
                                  f"{self.storage_capacity} steps it stores ({STORAGE_FACTOR} x capacity="
                                  f"{self.capacity}); raise capacity (nothing was added)")
-        # commit: write, link, retire the evicted steps, then the host index
-        if self._spec is None:
-            self._start(spec)
-            self._keys = dict(chunks[0].keys)
-        batch = {key: np.concatenate([chunk.columns[key] for chunk in written]) for key in self._spec.names} \
-            if written else None
-        if batch is not None:
+        return plan._replace(spec=spec, keys=dict(chunks[0].keys) if chunks else {},
+                             spaces=chunks[0].spaces if chunks else (None, None), item=item, segments=segments,
+                             rows=rows, patches=patches)
+
+    def _commit(self, plan: "_Plan") -> None:
+        """Apply a prepared add: write, link, retire the evicted steps, then the host index."""
+        if self._spec is None and plan.spec is not None:
+            self._start(plan.spec)
+            self._keys = plan.keys
+        written = plan.written
+        if written:
+            batch = {key: np.concatenate([chunk.columns[key] for chunk in written]) for key in self._spec.names}
             ingest = self._kernel("ingest")
-            for first, count in _pieces(item - self._items):
+            for first, count in _pieces(plan.item - self._items):
                 self._state = ingest(self._state, {k: v[first:first + count] for k, v in batch.items()})
-            self._links = self._kernel("link")(self._links, *self._link_rows(np.concatenate(rows, axis=1), patches))
-        steps_evicted = sum(record.length + pending[id(record)] for record in evicted)
-        gone = [record.items() for record in evicted if record.segments]
+            full, patch = self._link_rows(np.concatenate(plan.rows, axis=1), plan.patches)
+            self._links = self._kernel("link")(self._links, full, patch)
+            # each written row names its episode by the insertion index of the episode's first step
+            self._owner[full[0][full[0] < self.storage_capacity]] = np.concatenate(plan.rows, axis=1)[3]
+        gone = [record.items() for record in plan.evicted if record.segments]
         if gone:
             ids = self._ids(np.concatenate(gone))
             if self._prefetched is not None:
@@ -578,14 +660,16 @@ class _ConduitEpisodeBuffer:
             record.length += chunk.length
             record.is_terminated, record.is_truncated = chunk.is_terminated, chunk.is_truncated
         for record in {id(chunk.record): chunk.record for chunk in written}.values():
-            record.segments.extend(segments[id(record)])
-        self._order, self._live, self._items = order, live, item
+            record.segments.extend(plan.segments[id(record)])
+            self._by_first[record.segments[0][0]] = record
+        for record in plan.evicted:
+            if record.segments:
+                self._by_first.pop(record.segments[0][0], None)
+        self._order, self._live, self._items = plan.order, plan.live, plan.item
         if self.observation_space is None:
-            self.observation_space, self.action_space = chunks[0].spaces
-        self._num_timesteps, self._num_timesteps_added = timesteps, added
-        self._num_episodes_evicted += len(evicted)
-        self._log_add(steps_added, episodes_added, len(evicted), steps_evicted)
-        self.timings["add"] += time.perf_counter() - start
+            self.observation_space, self.action_space = plan.spaces
+        self._num_timesteps, self._num_timesteps_added = plan.timesteps, plan.added
+        self._num_episodes_evicted += len(plan.evicted)
 
     def _ids(self, items) -> np.ndarray:
         return self._buffer(self.num_shards).item_ids(items)
@@ -626,7 +710,7 @@ class _ConduitEpisodeBuffer:
                to_numpy: bool = False,
                lookback: int = 0, min_batch_length_T: int = 0, **kwargs):
         start = time.perf_counter()
-        name = type(self).__name__
+        name = self._name
         if num_items is not None and batch_size_B is not None:
             raise ValueError(f"{name}.sample(): pass num_items or batch_size_B, not both")
         size = num_items or batch_size_B or self.batch_size_B
@@ -643,6 +727,21 @@ class _ConduitEpisodeBuffer:
         if self._num_timesteps == 0:
             raise ValueError(f"{name}.sample(): the buffer is empty; add() episodes first")
         request = _Request(size, self._n_range(n_step), float(beta), float(gamma))
+        drawn, resamples = self._take(request)
+        self._log_sample(size, float(np.mean(n_step)) if isinstance(n_step, (tuple, list)) else float(n_step or 1),
+                         resamples)
+        if self.deliver == "torch":
+            out = ConduitBatch(self._public(drawn.columns, include_infos, include_extra_model_outputs),
+                               DEFAULT_MODULE_ID, size)
+        else:
+            out = self._episodes(drawn, to_numpy, include_infos, include_extra_model_outputs)
+        self.timings["sample"] += time.perf_counter() - start
+        return out
+
+    def _take(self, request: _Request) -> tuple[_Drawn, int]:
+        """The batch for ``request``: the one drawn ahead if it was drawn for the same request, else drawn now
+        (again while too few windows fit, RLlib's resampling); then the next one drawn ahead as the schedule says.
+        Returns the batch and the number of extra draws."""
         drawn, self._prefetched = self._prefetched, None
         if drawn is not None and (drawn.request != request or not bool(drawn.enough)):
             drawn = None  # drawn for another request (or short of fitting windows): draw now
@@ -652,27 +751,21 @@ class _ConduitEpisodeBuffer:
             if bool(candidate.enough):
                 drawn = candidate
             elif attempt == 63:
-                raise ValueError(f"{name}.sample(): 64 draws found fewer than {size} steps with n_step={n_step} more "
-                                 f"steps in their episode; sample a smaller n_step or add longer episodes")
+                low, high = request.n_range
+                raise ValueError(f"{self._name}.sample(): 64 draws found fewer than {request.size} steps "
+                                 f"with n_step={low if low == high else (low, high + 1)} more steps in their "
+                                 f"episode; sample a smaller n_step or add longer episodes")
             attempt += 1
         self._last_ids = drawn.ids
         self._last_request = request
-        self.sampled_timesteps += size
-        self._log_sample(size, float(np.mean(n_step)) if isinstance(n_step, (tuple, list)) else float(n_step or 1),
-                         attempt)
+        self.sampled_timesteps += request.size
         if self.schedule == "deferred" or (self.schedule == "overlap" and not self._prioritized):
             self._prefetched = self._draw(request)  # runs while the learner updates (async dispatch)
-        if self.deliver == "torch":
-            out = ConduitBatch(self._public(drawn.columns, include_infos, include_extra_model_outputs),
-                               DEFAULT_MODULE_ID, size)
-        else:
-            out = self._episodes(drawn.columns, to_numpy, include_infos, include_extra_model_outputs)
-        self.timings["sample"] += time.perf_counter() - start
-        return out
+        return drawn, attempt
 
     def _sample_batch(self, size: int, length: int, start: float) -> dict:
         """RLlib's ``EpisodeReplayBuffer`` batch of ``size`` rows of ``length`` entries (NumPy, as RLlib returns it)."""
-        name = type(self).__name__
+        name = self._name
         if not isinstance(length, (int, np.integer)) or length < 1:
             raise ValueError(f"{name}.sample(): batch_length_T must be an int >= 1, got {length!r}")
         if self._num_timesteps == 0:
@@ -689,7 +782,7 @@ class _ConduitEpisodeBuffer:
         """Dispatch one draw kernel for ``request`` (JAX runs it asynchronously; reading a result waits for it)."""
         padded = request.size + (-request.size) % self.num_shards  # a multiple of the shard count
         low, high = request.n_range
-        redraw = self._prioritized and high > 1
+        redraw = self._redraws and high > 1
         # PER redraws a step whose episode ends within n steps: extra candidates, so one kernel almost always has
         # enough fitting windows (another kernel when not)
         candidates = padded + padded // 2 + 8 if redraw else padded
@@ -707,7 +800,7 @@ class _ConduitEpisodeBuffer:
 
     def _n_range(self, n_step) -> tuple[int, int]:
         """The n-steps to draw from, inclusive: RLlib's ``(low, high)`` draws n in ``[low, high)``."""
-        name = type(self).__name__
+        name = self._name
         if isinstance(n_step, (tuple, list)):
             if len(n_step) != 2 or not all(isinstance(x, (int, np.integer)) for x in n_step) \
                     or not 1 <= n_step[0] < n_step[1]:
@@ -737,19 +830,23 @@ class _ConduitEpisodeBuffer:
             module_to_sampled_n_step=None if mean_n is None else {module: mean_n},
             module_to_num_resamples={module: resamples})
 
-    def _episodes(self, columns: dict, to_numpy: bool, infos: bool, extras: bool) -> list:
-        """RLlib's 1-step episodes (o_t, a_t, G_t, o_{t+n}) with ``weights`` and ``n_step`` model outputs."""
-        host = {k: np.asarray(v) for k, v in jax.device_get(columns).items()}
+    def _episodes(self, drawn: _Drawn, to_numpy: bool, infos: bool, extras: bool) -> list:
+        """RLlib's 1-step episodes (o_t, a_t, G_t, o_{t+n}) with ``weights`` and ``n_step`` model outputs, each
+        carrying its stored episode's id, agent, module and multi-agent episode."""
+        host = {k: np.asarray(v) for k, v in jax.device_get(drawn.columns).items()}
+        records = [self._by_first[first] for first in self._owner[np.asarray(drawn.ids)[:, 0]]]
         obs, next_obs, actions = host[Columns.OBS], host[Columns.NEXT_OBS], host[Columns.ACTIONS]
         rewards, weights, steps = host[Columns.REWARDS], host["weights"], host["n_step"]
         terminated, truncated = host[Columns.TERMINATEDS], host[Columns.TRUNCATEDS]
         extra_columns = [k for k in host if k.startswith("extra__")] if extras else []
         info_columns = [k for k in host if k.startswith("info__")] if infos else []
         out = []
-        for i in range(obs.shape[0]):
+        for i, record in enumerate(records):
             outputs = {"weights": [weights[i]], "n_step": [steps[i]]}
             outputs.update({self._keys[k]: [host[k][i]] for k in extra_columns})
             episode = SingleAgentEpisode(
+                id_=record.id_, agent_id=record.agent_id, module_id=record.module_id,
+                multi_agent_episode_id=record.multi_agent_episode_id,
                 observations=[obs[i], next_obs[i]], observation_space=self.observation_space,
                 infos=[{self._keys[k]: host[k][i] for k in info_columns},
                        {self._keys[k]: host["next_" + k][i] for k in info_columns}] if infos else None,
@@ -765,7 +862,7 @@ class _ConduitEpisodeBuffer:
     def update_priorities(self, priorities, module_id: Optional[str] = None) -> None:
         """New priorities ``|priorities|`` (RLlib passes TD errors) for the steps of the last ``sample()``; a step
         evicted or overwritten since is skipped."""
-        name = type(self).__name__
+        name = self._name
         if not self._prioritized:
             raise NotImplementedError(f"{name} samples uniformly; use ConduitPrioritizedEpisodeReplayBuffer")
         if self._last_ids is None:
@@ -821,7 +918,8 @@ class _ConduitEpisodeBuffer:
     def get_state(self) -> dict[str, Any]:
         """The buffer as NumPy arrays plus JSON-able metadata: nothing pickled, nothing JAX."""
         episodes = [{"id": record.id_, "length": record.length, "terminated": record.is_terminated,
-                     "truncated": record.is_truncated, "segments": np.asarray(record.segments, np.int64).reshape(-1)}
+                     "truncated": record.is_truncated, "segments": np.asarray(record.segments, np.int64).reshape(-1),
+                     "owner": [record.agent_id, record.module_id, record.multi_agent_episode_id]}
                     for record in self._order]
         state = {"format": STATE_FORMAT, "version": STATE_VERSION, "config": self._config(),
                  "counters": {"num_timesteps": self._num_timesteps, "num_timesteps_added": self._num_timesteps_added,
@@ -842,7 +940,7 @@ class _ConduitEpisodeBuffer:
     def set_state(self, state: dict[str, Any]) -> None:
         """Restore what ``get_state`` returned (from a buffer configured the same way); checked before anything
         changes."""
-        name = type(self).__name__
+        name = self._name
         if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
             raise ValueError(f"{name}.set_state(): not a Conduit buffer state (format {state.get('format')!r}; "
                              f"expected {STATE_FORMAT!r})" if isinstance(state, dict) else
@@ -887,14 +985,19 @@ class _ConduitEpisodeBuffer:
         for saved in state["episodes"]:
             segments = [tuple(int(x) for x in pair) for pair in np.asarray(saved["segments"]).reshape(-1, 2)]
             record = StoredEpisode(saved["id"], int(saved["length"]), bool(saved["terminated"]),
-                                   bool(saved["truncated"]), segments)
+                                   bool(saved["truncated"]), segments, *saved["owner"])
             self._order.append(record)
             self._live[record.id_] = record
+            if segments:
+                self._by_first[segments[0][0]] = record
         self._num_timesteps = int(counters["num_timesteps"])
         self._num_timesteps_added = int(counters["num_timesteps_added"])
         self._num_episodes_evicted = int(counters["num_episodes_evicted"])
         self.sampled_timesteps = int(counters["sampled_timesteps"])
         self._items, self._draws = int(counters["items"]), int(counters["draws"])
+        for first, record in self._by_first.items():
+            items = record.items()
+            self._owner[self._rows(items[items >= self._items - self.storage_capacity])] = first
         self.rng.bit_generator.state = state["rng"]
 
 
@@ -907,5 +1010,408 @@ class ConduitEpisodeReplayBuffer(_ConduitEpisodeBuffer, EpisodeReplayBuffer):
 class ConduitPrioritizedEpisodeReplayBuffer(_ConduitEpisodeBuffer, PrioritizedEpisodeReplayBuffer):
     """Prioritized replay (RLlib's ``PrioritizedEpisodeReplayBuffer``) in Conduit's functional core: the sum tree,
     stratified draws, new steps at the max priority, importance weights normalised by the smallest probability."""
+
+    _prioritized = True
+    _redraws = True
+
+
+
+# -- multi-agent --------------------------------------------------------------------------------------------------
+MULTI_AGENT_STATE_FORMAT = "conduit_rllib.multi_agent_episode_replay_buffer"
+
+
+class _ModuleStore(_ConduitEpisodeBuffer):
+    """One module's agent steps inside a multi-agent buffer: the single-agent machinery (ring, links, draw kernel),
+    with eviction decided by the multi-agent buffer, which also logs RLlib's metrics."""
+
+    _redraws = True  # RLlib's multi-agent buffers redraw a step whose episode ends within n steps, uniform ones too
+
+    def __init__(self, capacity: int, *, prioritized: bool, label: str, **kwargs):
+        self._prioritized, self._label = prioritized, label
+        super().__init__(capacity, **kwargs)
+
+    @property
+    def _name(self) -> str:
+        return self._label
+
+    def _log_add(self, *args) -> None:
+        pass
+
+    def _log_sample(self, *args) -> None:
+        pass
+
+
+class AgentSteps(NamedTuple):
+    """One agent's part of a stored multi-agent episode."""
+
+    module_id: Any
+    episode_id: Any  # its single-agent episode's id
+    steps: int
+
+
+@dataclasses.dataclass
+class StoredMultiAgentEpisode:
+    """A multi-agent episode the buffer keeps (what ``buffer.episodes`` lists): its id, the env steps and agent
+    steps stored, and each agent's part (``agents``: agent id -> ``AgentSteps``)."""
+
+    id_: Any
+    env_steps: int = 0
+    agent_steps: int = 0
+    agents: dict = dataclasses.field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return self.env_steps
+
+
+class _ConduitMultiAgentBuffer:
+    """The shared implementation of the multi-agent buffers; the public classes below add RLlib's base class."""
+
+    _prioritized = False
+
+    def __init__(self, capacity: int = 10000, *, batch_size_B: int = 16, batch_length_T: int = 1,
+                 metrics_num_episodes_for_smoothing: int = 100, n_step: int = 1, alpha: float = 1.0,
+                 beta: float = 0.0, num_shards: int = 1, seed: int = 0, deliver: str = "episodes",
+                 schedule: str = "sync", agents_per_module: Optional[int] = None, **kwargs):
+        name = type(self).__name__
+        if deliver != "episodes":
+            raise ValueError(f"{name}: deliver must be 'episodes' (deliver='torch' is single-agent only), got "
+                             f"{deliver!r}")
+        if agents_per_module is not None and (isinstance(agents_per_module, bool) or
+                                              not isinstance(agents_per_module, int) or agents_per_module < 1):
+            raise ValueError(f"{name}: agents_per_module must be None or an int >= 1, got {agents_per_module!r}")
+        self._store_config = dict(batch_size_B=batch_size_B, batch_length_T=batch_length_T, n_step=n_step,
+                                  alpha=alpha, beta=beta, num_shards=num_shards, schedule=schedule)
+        self._new_store(capacity, "check", 0, **kwargs)  # checks every other argument as the single-agent buffers do
+        self.capacity = int(capacity)
+        self.batch_size_B = int(batch_size_B)
+        self.batch_length_T = batch_length_T
+        self.n_step = n_step
+        self.alpha = float(alpha) if self._prioritized else 0.0
+        self.beta = float(beta)
+        self.num_shards, self.seed, self.schedule, self.deliver = num_shards, int(seed), schedule, deliver
+        self.agents_per_module = agents_per_module
+        self.rng = np.random.default_rng(seed)
+        self.metrics = MetricsLogger(root=False)
+        self._metrics_num_episodes_for_smoothing = metrics_num_episodes_for_smoothing
+        self.timings = collections.defaultdict(float)  # seconds spent in add / sample / update_priorities
+        self._reset()
+
+    def _new_store(self, capacity: int, module_id, seed: int, **kwargs) -> _ModuleStore:
+        return _ModuleStore(capacity, prioritized=self._prioritized, label=f"{type(self).__name__}[{module_id!r}]",
+                            seed=seed, **self._store_config, **kwargs)
+
+    def _reset(self) -> None:
+        self._order: collections.deque = collections.deque()  # StoredMultiAgentEpisode, oldest first
+        self._live: dict = {}  # episode id -> StoredMultiAgentEpisode
+        # module id -> its store (None while none of its agents has a step) and RLlib's per-module counters
+        self._modules: dict = {}
+        self._counts: dict = collections.defaultdict(collections.Counter)
+        self._num_timesteps = self._num_timesteps_added = self._num_episodes_evicted = 0
+        self._num_agent_timesteps = self._num_agent_timesteps_added = 0
+        self.sampled_timesteps = 0
+
+    @property
+    def episodes(self) -> list:
+        """The stored multi-agent episodes, oldest first (``id_``, ``len()`` in env steps, ``agents``)."""
+        return list(self._order)
+
+    # -- add ------------------------------------------------------------------------------------------------------
+    def add(self, episodes: Union[list, MultiAgentEpisode]) -> None:
+        """Store multi-agent episodes; a chunk of a stored episode is appended to it. Whole oldest episodes are
+        evicted as RLlib's multi-agent buffers do: once per ``add``, while more than ``capacity`` env steps are stored
+        and more than one episode would remain, dropping the new chunks of an episode it evicts. Each agent's steps
+        go to its module's store; everything is checked before anything is stored."""
+        start = time.perf_counter()
+        name = type(self).__name__
+        episodes = force_list(episodes)
+        for episode in episodes:
+            if not isinstance(episode, MultiAgentEpisode):
+                raise TypeError(f"{name}.add(): expected MultiAgentEpisode, got {type(episode).__name__} (use "
+                                f"ConduitEpisodeReplayBuffer for single-agent episodes; nothing was added)")
+        order, live = collections.deque(self._order), dict(self._live)
+        new_ids = [episode.id_ for episode in episodes]
+        timesteps = self._num_timesteps + sum(episode.env_steps() for episode in episodes)
+        added = self._num_timesteps_added + sum(episode.env_steps() for episode in episodes)
+        evicted = []
+        while timesteps > self.capacity and order and \
+                len((set(live) | set(new_ids)) - {old.id_ for old in evicted}) != 1:
+            old = order.popleft()
+            del live[old.id_]
+            evicted.append(old)
+            if old.id_ in new_ids:  # RLlib takes back the first new chunk of an episode it evicts
+                first = episodes[new_ids.index(old.id_)].env_steps()
+                timesteps -= first
+                added -= first
+            timesteps -= old.env_steps
+        gone = {old.id_ for old in evicted}
+        kept = [episode for episode in episodes if episode.id_ not in gone]
+        # each module's chunks and evictions, checked by its store before any store changes
+        parts, agents = collections.defaultdict(list), collections.defaultdict(set)
+        for episode in kept:
+            for agent_id, agent_episode in episode.agent_episodes.items():
+                module_id = episode.module_for(agent_id)
+                agents[module_id].add(agent_id)
+                if len(agent_episode) > 0:
+                    parts[module_id].append(agent_episode)
+        evict = collections.defaultdict(list)
+        for old in evicted:
+            for part in old.agents.values():
+                evict[part.module_id].append(part.episode_id)
+        stores, plans = {}, {}
+        for module_id in set(parts) | {m for m in evict if self._modules.get(m) is not None}:
+            store = self._modules.get(module_id)
+            if store is None:  # a new module: its ring holds 2 x capacity steps per agent it serves
+                store = self._new_store(self.capacity * (self.agents_per_module or len(agents[module_id])),
+                                        module_id, self.seed + 7919 * (len(stores) + len(self._modules) + 1))
+            stores[module_id] = store
+            plans[module_id] = store._prepare([store._chunk(part) for part in parts[module_id]], evict[module_id])
+        # commit: the stores, then the episode index and RLlib's counters
+        for module_id, store in stores.items():
+            store._commit(plans[module_id])
+            self._modules[module_id] = store
+        for module_id in agents:
+            self._modules.setdefault(module_id, None)
+        metrics = self._count(kept, evicted, order, live)
+        self._order, self._live = order, live
+        self._num_timesteps, self._num_timesteps_added = timesteps, added
+        self._num_episodes_evicted += len(evicted)
+        EpisodeReplayBuffer._update_add_metrics(self, **metrics)
+        self.timings["add"] += time.perf_counter() - start
+
+    def _count(self, kept: list, evicted: list, order: collections.deque, live: dict) -> dict:
+        """Update the episode index and RLlib's counters for an add (as its multi-agent buffers define them);
+        returns the add metrics."""
+        per = {key: collections.Counter() for key in ("episodes_added", "steps_added", "episodes_evicted",
+                                                       "steps_evicted")}  # (agent id, module id) -> count
+        for old in evicted:
+            self._num_agent_timesteps -= old.agent_steps
+            for agent_id, part in old.agents.items():
+                counts = self._counts[part.module_id]
+                counts["timesteps"] -= part.steps
+                counts["episodes"] -= 1
+                counts["evicted"] += 1
+                per["episodes_evicted"][agent_id, part.module_id] += 1
+                per["steps_evicted"][agent_id, part.module_id] += part.steps
+        episodes_added = 0
+        for episode in kept:
+            record = live.get(episode.id_)
+            if record is None:
+                record = live[episode.id_] = StoredMultiAgentEpisode(episode.id_)
+                order.append(record)
+                episodes_added += 1
+                for agent_id in episode.agent_episodes:
+                    per["episodes_added"][agent_id, episode.module_for(agent_id)] += 1
+            record.env_steps += episode.env_steps()
+            record.agent_steps += episode.agent_steps()
+            self._num_agent_timesteps += episode.agent_steps()
+            self._num_agent_timesteps_added += episode.agent_steps()
+            for agent_id, agent_episode in episode.agent_episodes.items():
+                module_id, steps = episode.module_for(agent_id), len(agent_episode)
+                counts = self._counts[module_id]
+                part = record.agents.get(agent_id)
+                if part is None:
+                    part = AgentSteps(module_id, agent_episode.id_, 0)
+                    counts["episodes"] += 1
+                record.agents[agent_id] = part._replace(steps=part.steps + steps)
+                counts["timesteps"] += steps
+                counts["added"] += steps
+                per["steps_added"][agent_id, module_id] += steps
+
+        def by(counter: collections.Counter, which: int) -> dict:
+            out = collections.defaultdict(int)
+            for key, value in counter.items():
+                out[key[which]] += value
+            return dict(out)
+
+        metrics = {"num_episodes_added": episodes_added, "num_env_steps_added": sum(e.env_steps() for e in kept),
+                   "num_episodes_evicted": len(evicted), "num_env_steps_evicted": sum(o.env_steps for o in evicted)}
+        for key, counter in per.items():
+            metrics[f"agent_to_num_{key}"], metrics[f"module_to_num_{key}"] = by(counter, 0), by(counter, 1)
+        return metrics
+
+    # -- sample ---------------------------------------------------------------------------------------------------
+    def sample(self, num_items: Optional[int] = None, *, batch_size_B: Optional[int] = None,
+               batch_length_T: Optional[int] = None, n_step: Optional[Union[int, tuple]] = 1, gamma: float = 0.99,
+               include_infos: bool = False, include_extra_model_outputs: bool = False,
+               replay_mode: str = "independent", modules_to_sample: Optional[list] = None, beta: float = 0.0,
+               to_numpy: bool = False, lookback: int = 0, **kwargs) -> list:
+        """RLlib's independent multi-agent sample: for each module (``modules_to_sample``, default all) ``B`` of its
+        agent steps as 1-step single-agent episodes (``o_t, a_t, G_t, o_(t+n)``, ``weights``, ``n_step``) carrying
+        their agent, module and multi-agent episode ids; a step whose episode ends within n steps is redrawn."""
+        start = time.perf_counter()
+        name = type(self).__name__
+        if replay_mode != "independent":
+            raise NotImplementedError(f"{name}.sample(): replay_mode={replay_mode!r} is not supported yet; "
+                                      f"'independent' (RLlib's default) is")
+        if batch_length_T not in (None, 0, 1) or lookback:
+            raise NotImplementedError(f"{name}.sample(): sequences (batch_length_T={batch_length_T}, "
+                                      f"lookback={lookback}) are not supported yet for multi-agent episodes")
+        if num_items is not None and batch_size_B is not None:
+            raise ValueError(f"{name}.sample(): pass num_items or batch_size_B, not both")
+        size = num_items or batch_size_B or self.batch_size_B
+        if not isinstance(size, (int, np.integer)) or isinstance(size, bool) or size < 1:
+            raise ValueError(f"{name}.sample(): the batch size must be an int >= 1, got {size!r}")
+        if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not np.isfinite(beta) or beta < 0:
+            raise ValueError(f"{name}.sample(): beta must be a finite number >= 0, got {beta!r}")
+        modules = list(self._modules) if modules_to_sample is None else list(modules_to_sample)
+        unknown = [m for m in modules if m not in self._modules]
+        if unknown:
+            raise ValueError(f"{name}.sample(): modules_to_sample {unknown!r} are not stored; the buffer holds "
+                             f"{list(self._modules)!r}")
+        empty = [m for m in modules if self._modules[m] is None or self._counts[m]["timesteps"] <= 0]
+        if empty:
+            raise ValueError(f"{name}.sample(): no steps stored for module(s) {empty!r}; add() episodes first or "
+                             f"pass modules_to_sample")
+        out, metrics = [], collections.defaultdict(dict)
+        n_range = None
+        for module_id in modules:
+            store = self._modules[module_id]
+            n_range = n_range or store._n_range(n_step)
+            drawn, resamples = store._take(_Request(int(size), n_range, float(beta), float(gamma)))
+            episodes = store._episodes(drawn, to_numpy, include_infos, include_extra_model_outputs)
+            out.extend(episodes)
+            self._counts[module_id]["sampled"] += size
+            mean_n = float(np.mean([e.get_extra_model_outputs("n_step", 0) for e in episodes]))
+            for agent_id in {e.agent_id for e in episodes}:
+                picked = [e for e in episodes if e.agent_id == agent_id]
+                metrics["agent_to_num_steps_sampled"][agent_id] = len(picked)
+                metrics["agent_to_num_episodes_per_sample"][agent_id] = len({e.id_ for e in picked})
+                metrics["agent_to_num_steps_per_sample"][agent_id] = len(picked)
+                metrics["agent_to_sampled_n_step"][agent_id] = mean_n
+                metrics["agent_to_num_resamples"][agent_id] = resamples
+            metrics["module_to_num_steps_sampled"][module_id] = size
+            metrics["module_to_num_episodes_per_sample"][module_id] = len({e.id_ for e in episodes})
+            metrics["module_to_num_steps_per_sample"][module_id] = size
+            metrics["module_to_sampled_n_step"][module_id] = mean_n
+            metrics["module_to_num_resamples"][module_id] = resamples
+        self.sampled_timesteps += size  # RLlib counts the batch size once, whatever the number of modules
+        EpisodeReplayBuffer._update_sample_metrics(
+            self, num_env_steps_sampled=size * len(modules),
+            num_episodes_per_sample=len({e.multi_agent_episode_id for e in out}),
+            num_env_steps_per_sample=len(out), sampled_n_step=float(np.mean(list(
+                metrics["module_to_sampled_n_step"].values()))),
+            num_resamples=sum(metrics["module_to_num_resamples"].values()), **metrics)
+        self.timings["sample"] += time.perf_counter() - start
+        return out
+
+    def update_priorities(self, priorities, module_id) -> None:
+        """New priorities ``|priorities|`` for the steps of ``module_id``'s last sample (RLlib's DQN passes each
+        module's TD errors)."""
+        name = type(self).__name__
+        if not self._prioritized:
+            raise NotImplementedError(f"{name} samples uniformly; use ConduitMultiAgentPrioritizedEpisodeReplayBuffer")
+        if self._modules.get(module_id) is None:
+            raise ValueError(f"{name}.update_priorities(): module {module_id!r} is not stored; the buffer holds "
+                             f"{list(self._modules)!r}")
+        start = time.perf_counter()
+        self._modules[module_id].update_priorities(priorities)
+        self.timings["update_priorities"] += time.perf_counter() - start
+
+    # -- sizes --------------------------------------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return self.get_num_timesteps()
+
+    def get_module_ids(self) -> list:
+        return list(self._modules)
+
+    def get_num_timesteps(self, module_id=None) -> int:
+        """Env steps stored, or ``module_id``'s agent steps."""
+        return self._counts[module_id]["timesteps"] if module_id else self._num_timesteps
+
+    def get_num_episodes(self, module_id=None) -> int:
+        return self._counts[module_id]["episodes"] if module_id else len(self._order)
+
+    def get_num_episodes_evicted(self, module_id=None) -> int:
+        return self._counts[module_id]["evicted"] if module_id else self._num_episodes_evicted
+
+    def get_added_timesteps(self, module_id=None) -> int:
+        return self._counts[module_id]["added"] if module_id else self._num_timesteps_added
+
+    def get_sampled_timesteps(self, module_id=None) -> int:
+        return self._counts[module_id]["sampled"] if module_id else self.sampled_timesteps
+
+    def get_num_agent_timesteps(self) -> int:
+        return self._num_agent_timesteps
+
+    def get_added_agent_timesteps(self) -> int:
+        return self._num_agent_timesteps_added
+
+    def get_metrics(self):
+        return self.metrics.reduce()
+
+    # -- state ----------------------------------------------------------------------------------------------------
+    def _config(self) -> dict:
+        return {"capacity": self.capacity, "alpha": self.alpha, "num_shards": self.num_shards,
+                "prioritized": self._prioritized}
+
+    def get_state(self) -> dict[str, Any]:
+        """The buffer as NumPy arrays plus JSON-able metadata (each module's store as the single-agent buffers
+        save theirs): nothing pickled, nothing JAX."""
+        return {"format": MULTI_AGENT_STATE_FORMAT, "version": STATE_VERSION, "config": self._config(),
+                "counters": {"num_timesteps": self._num_timesteps, "num_timesteps_added": self._num_timesteps_added,
+                             "num_episodes_evicted": self._num_episodes_evicted,
+                             "num_agent_timesteps": self._num_agent_timesteps,
+                             "num_agent_timesteps_added": self._num_agent_timesteps_added,
+                             "sampled_timesteps": self.sampled_timesteps},
+                "episodes": [{"id": record.id_, "env_steps": record.env_steps, "agent_steps": record.agent_steps,
+                              "agents": [[agent_id, *part] for agent_id, part in record.agents.items()]}
+                             for record in self._order],
+                # lists of pairs, not dicts: module ids need not be strings
+                "modules": [[module_id, None if store is None else store.capacity,
+                             dict(self._counts[module_id]), None if store is None else store.get_state()]
+                            for module_id, store in self._modules.items()]}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        """Restore what ``get_state`` returned (from a buffer configured the same way); checked before anything
+        changes."""
+        name = type(self).__name__
+        if not isinstance(state, dict) or state.get("format") != MULTI_AGENT_STATE_FORMAT:
+            raise ValueError(f"{name}.set_state(): not a Conduit multi-agent buffer state (format "
+                             f"{state.get('format')!r}; expected {MULTI_AGENT_STATE_FORMAT!r})"
+                             if isinstance(state, dict) else f"{name}.set_state(): expected a dict, got "
+                             f"{type(state).__name__}")
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(f"{name}.set_state(): state version {state.get('version')!r}, this code reads "
+                             f"{STATE_VERSION}")
+        differ = {k: (state["config"].get(k), v) for k, v in self._config().items() if state["config"].get(k) != v}
+        if differ:
+            raise ValueError(f"{name}.set_state(): the state was saved by a buffer configured differently "
+                             f"(saved, this): {differ}")
+        modules = {}
+        for index, (module_id, capacity, _, saved) in enumerate(state["modules"]):
+            if saved is not None:
+                store = self._new_store(int(capacity), module_id, self.seed + 7919 * (index + 1))
+                store.set_state(saved)  # checks its arrays before changing anything
+                modules[module_id] = store
+            else:
+                modules[module_id] = None
+        self._reset()
+        self._modules = modules
+        for module_id, _, counts, _ in state["modules"]:
+            self._counts[module_id].update(counts)
+        for saved in state["episodes"]:
+            record = StoredMultiAgentEpisode(saved["id"], int(saved["env_steps"]), int(saved["agent_steps"]),
+                                             {a: AgentSteps(m, e, int(n)) for a, m, e, n in saved["agents"]})
+            self._order.append(record)
+            self._live[record.id_] = record
+        counters = state["counters"]
+        self._num_timesteps, self._num_timesteps_added = counters["num_timesteps"], counters["num_timesteps_added"]
+        self._num_episodes_evicted = counters["num_episodes_evicted"]
+        self._num_agent_timesteps = counters["num_agent_timesteps"]
+        self._num_agent_timesteps_added = counters["num_agent_timesteps_added"]
+        self.sampled_timesteps = counters["sampled_timesteps"]
+
+
+class ConduitMultiAgentEpisodeReplayBuffer(_ConduitMultiAgentBuffer, MultiAgentEpisodeReplayBuffer):
+    """Uniform multi-agent replay (RLlib's ``MultiAgentEpisodeReplayBuffer``, independent sampling) in Conduit's
+    functional core: one store per module; ``weights`` are all 1."""
+
+    _prioritized = False
+
+
+class ConduitMultiAgentPrioritizedEpisodeReplayBuffer(_ConduitMultiAgentBuffer,
+                                                      MultiAgentPrioritizedEpisodeReplayBuffer):
+    """Prioritized multi-agent replay (RLlib's ``MultiAgentPrioritizedEpisodeReplayBuffer``, independent sampling):
+    one sum tree per module, new steps at the module's largest priority, weights normalised per module."""
 
     _prioritized = True

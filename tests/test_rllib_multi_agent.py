@@ -1,0 +1,264 @@
+"""RLlib's multi-agent replay-buffer contract, checked the same way on RLlib's own buffers and on the Conduit ones.
+
+The scenarios of RLlib 2.60's multi-agent buffer tests (eviction and per-module counts, independent sampling, state),
+written here against the public API and run with the same assertions on ``MultiAgentEpisodeReplayBuffer`` /
+``MultiAgentPrioritizedEpisodeReplayBuffer`` and their Conduit counterparts (RLlib's multi-agent DQN on the Conduit
+buffer is in test_rllib_adapter.py, with the other algorithms).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+import sys
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("ray.rllib")
+
+if importlib.util.find_spec("conduit_rllib") is None:
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "adapters"))
+
+from ray.rllib.env.multi_agent_episode import MultiAgentEpisode  # noqa: E402
+from ray.rllib.env.single_agent_episode import SingleAgentEpisode  # noqa: E402
+from ray.rllib.utils.replay_buffers.multi_agent_episode_buffer import MultiAgentEpisodeReplayBuffer  # noqa: E402
+from ray.rllib.utils.replay_buffers.multi_agent_prioritized_episode_buffer import (  # noqa: E402
+    MultiAgentPrioritizedEpisodeReplayBuffer)
+
+import conduit_rllib  # noqa: E402
+
+UNIFORM = [MultiAgentEpisodeReplayBuffer, conduit_rllib.ConduitMultiAgentEpisodeReplayBuffer]
+PRIORITIZED = [MultiAgentPrioritizedEpisodeReplayBuffer, conduit_rllib.ConduitMultiAgentPrioritizedEpisodeReplayBuffer]
+CONDUIT = [conduit_rllib.ConduitMultiAgentEpisodeReplayBuffer,
+           conduit_rllib.ConduitMultiAgentPrioritizedEpisodeReplayBuffer]
+MODULES = {"agent_1": "module_1", "agent_2": "module_2"}
+ROUNDS = 50  # sample calls per scenario (RLlib's tests make 1,000)
+TOLERANCE = 1e-6  # Conduit stores float32 (RLlib's tests compare float64 values to 1e-8)
+
+
+def by_name(cls):
+    return cls.__name__
+
+
+def episode(rng, length=None, id_=None, *, offset=0.0, agents=MODULES):
+    """A multi-agent episode in which every agent's observation at step t is ``offset + t``, its action ``t`` and its
+    reward ``0.1 * (t + 1)``."""
+    length = int(rng.integers(1, 200)) if length is None else length
+    e = MultiAgentEpisode(id_=id_, observations=[{a: offset for a in agents}], infos=[{a: {} for a in agents}],
+                          agent_module_ids=dict(agents))
+    for t in range(length):
+        e.add_env_step(observations={a: offset + t + 1.0 for a in agents}, actions={a: t for a in agents},
+                       rewards={a: 0.1 * (t + 1) for a in agents}, infos={a: {} for a in agents})
+    return e
+
+
+def counts(buffer):
+    modules = sorted(buffer.get_module_ids())
+    return (buffer.get_num_episodes(), buffer.get_num_timesteps(), buffer.get_num_agent_timesteps(),
+            buffer.get_added_agent_timesteps(), buffer.get_num_episodes_evicted(),
+            [(m, buffer.get_num_episodes(m), buffer.get_num_timesteps(m), buffer.get_added_timesteps(m),
+              buffer.get_num_episodes_evicted(m)) for m in modules])
+
+
+# -- eviction and counts ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("cls", UNIFORM + PRIORITIZED, ids=by_name)
+def test_evicts_whole_oldest_episodes_and_counts_per_module_as_rllib(cls):
+    rng = np.random.default_rng(0)
+    buffer = cls(capacity=100)
+    steps = [("A", 50, 1, 50), ("B", 25, 2, 75), ("C", 25, 3, 100), ("D", 1, 3, 51), ("E", 200, 1, 200),
+             ("F", 2, 1, 2)] + [(str(i), 10, i + 2, 2 + 10 * (i + 1)) for i in range(9)] + [("9", 10, 10, 100),
+                                                                                           ("G", 21, 8, 91)]
+    added = 0
+    for id_, length, episodes, timesteps in steps:
+        buffer.add(episode(rng, length, id_))
+        added += length
+        assert (buffer.get_num_episodes(), buffer.get_num_timesteps()) == (episodes, timesteps), id_
+        assert buffer.get_num_agent_timesteps() == 2 * timesteps and buffer.get_added_agent_timesteps() == 2 * added
+        for module_id in ("module_1", "module_2"):
+            assert (buffer.get_num_episodes(module_id), buffer.get_num_timesteps(module_id),
+                    buffer.get_added_timesteps(module_id)) == (episodes, timesteps, added), (id_, module_id)
+    assert {e.id_ for e in buffer.episodes} == {"3", "4", "5", "6", "7", "8", "9", "G"}
+    assert buffer.get_num_episodes_evicted() == buffer.get_num_episodes_evicted("module_1") == 9
+    # nothing evicted is drawn: the stored episodes are at most 21 steps long
+    for e in buffer.sample(batch_size_B=64, n_step=1):
+        assert e.get_observations(0) < 21
+
+
+@pytest.mark.parametrize("cls", UNIFORM + PRIORITIZED, ids=by_name)
+def test_continued_episodes_and_agents_of_one_module_count_as_rllib(cls):
+    """Chunks of one episode (``cut()``) are one episode; two agents on one module give it two episodes per
+    multi-agent episode; an agent that never acted adds no steps. Native and Conduit report the same counts."""
+    rng = np.random.default_rng(1)
+    buffer = cls(capacity=60)
+    shared = {"a": "shared", "b": "shared", "c": "solo"}
+    first = episode(rng, 20, "X", agents=shared)
+    buffer.add(first)
+    rest = first.cut()
+    for t in range(20, 30):
+        rest.add_env_step(observations={a: t + 1.0 for a in shared}, actions={a: t for a in shared},
+                          rewards={a: 0.1 for a in shared}, infos={a: {} for a in shared})
+    buffer.add(rest)
+    assert (buffer.get_num_episodes(), buffer.get_num_timesteps()) == (1, 30)
+    assert (buffer.get_num_episodes("shared"), buffer.get_num_timesteps("shared")) == (2, 60)
+    assert (buffer.get_num_episodes("solo"), buffer.get_num_timesteps("solo")) == (1, 30)
+    buffer.add(episode(rng, 40, "Y", agents=shared))  # over capacity: X goes whole
+    assert [e.id_ for e in buffer.episodes] == ["Y"]
+    assert buffer.get_num_episodes_evicted("shared") == 2 and buffer.get_num_timesteps("shared") == 80
+    # X's continuation is one episode: a 3-step window starting at step 18 runs into the second chunk
+    assert counts(buffer)[:2] == (1, 40)
+
+
+# -- sampling ---------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("cls", UNIFORM + PRIORITIZED, ids=by_name)
+def test_independent_sample_as_rllib(cls):
+    """RLlib's ``test_buffer_independent_sample_logic``: each module gets B of its agents' transitions; the
+    overall counter grows by B per call, each module's by B; weights 1 at beta 0, n_step 1; and each transition
+    names its agent, module and multi-agent episode."""
+    rng = np.random.default_rng(2)
+    buffer = cls(capacity=10_000)
+    stored = {}
+    for k in range(60):
+        e = episode(rng, id_=f"E{k}", offset=1000.0 * k)
+        stored[e.id_] = {a: sa.id_ for a, sa in e.agent_episodes.items()}
+        buffer.add(e)
+    for i in range(ROUNDS):
+        sample = buffer.sample(batch_size_B=16, n_step=1)
+        assert len(sample) == 32 and all(isinstance(e, SingleAgentEpisode) for e in sample)
+        assert buffer.get_sampled_timesteps() == 16 * (i + 1)
+        for module_id in ("module_1", "module_2"):
+            assert sum(e.module_id == module_id for e in sample) == 16
+            assert buffer.get_sampled_timesteps(module_id) == 16 * (i + 1)
+        for e in sample:
+            obs, action, reward, next_obs, terminated, truncated, weight, n = (
+                e.get_observations(0), e.get_actions(-1), e.get_rewards(-1), e.get_observations(-1), e.is_terminated,
+                e.is_truncated, e.get_extra_model_outputs("weights", -1), e.get_extra_model_outputs("n_step", -1))
+            assert not (terminated and truncated)
+            offset = 1000.0 * int(e.multi_agent_episode_id[1:])
+            assert abs((obs - offset) - action) < TOLERANCE
+            assert abs(next_obs - obs - 1) < TOLERANCE
+            assert abs(reward * 10 - (next_obs - offset)) < 10 * TOLERANCE * max(1.0, next_obs - offset)
+            assert abs(weight - 1.0) < TOLERANCE and n == 1
+            assert MODULES[e.agent_id] == e.module_id and stored[e.multi_agent_episode_id][e.agent_id] == e.id_
+
+
+@pytest.mark.parametrize("cls", UNIFORM + PRIORITIZED, ids=by_name)
+def test_n_step_windows_stay_in_the_agents_episode(cls):
+    """3-step transitions: o_(t+3), the discounted reward sum, and no window past an episode's end (redrawn)."""
+    rng = np.random.default_rng(3)
+    buffer = cls(capacity=10_000)
+    for k in range(40):
+        buffer.add(episode(rng, int(rng.integers(3, 30)), f"E{k}", offset=1000.0 * k))
+    gamma = 0.9
+    for _ in range(10):
+        for e in buffer.sample(batch_size_B=32, n_step=3, gamma=gamma):
+            obs, next_obs = e.get_observations(0), e.get_observations(-1)
+            t = obs - 1000.0 * int(e.multi_agent_episode_id[1:])
+            expected = sum(gamma ** k * 0.1 * (t + k + 1) for k in range(3))
+            assert abs(next_obs - obs - 3) < TOLERANCE
+            assert abs(e.get_rewards(-1) - expected) < 1e-4
+            assert e.get_extra_model_outputs("n_step", -1) == 3
+
+
+@pytest.mark.parametrize("cls", UNIFORM + PRIORITIZED, ids=by_name)
+def test_modules_to_sample(cls):
+    rng = np.random.default_rng(4)
+    buffer = cls(capacity=10_000)
+    for k in range(20):
+        buffer.add(episode(rng, id_=f"E{k}"))
+    sample = buffer.sample(batch_size_B=8, modules_to_sample=["module_1"])
+    assert {e.module_id for e in sample} == {"module_1"} and len(sample) == 8
+    assert buffer.get_sampled_timesteps("module_2") == 0 and buffer.get_sampled_timesteps("module_1") == 8
+
+
+@pytest.mark.parametrize("cls", PRIORITIZED, ids=by_name)
+def test_priorities_are_per_module(cls):
+    """A module's priority update steers that module's draws only; weights at beta 1 are (P / P_min)^-1 within the
+    module (the rarely drawn steps weigh 1, the favoured one less)."""
+    rng = np.random.default_rng(5)
+    buffer = cls(capacity=10_000, alpha=1.0)
+    for k in range(10):
+        buffer.add(episode(rng, 10, f"E{k}", offset=1000.0 * k))
+    for _ in range(20):  # drive every module_1 step sampled to a tiny priority, except the first observation 0
+        sample = buffer.sample(batch_size_B=64, n_step=1, modules_to_sample=["module_1"])
+        buffer.update_priorities(np.array([5.0 if e.get_observations(0) == 0.0 else 1e-3 for e in sample]),
+                                 "module_1")
+    hits = {m: 0 for m in MODULES.values()}
+    weights = []
+    for _ in range(10):
+        for e in buffer.sample(batch_size_B=64, n_step=1, beta=1.0):
+            hits[e.module_id] += e.get_observations(0) == 0.0
+            if e.module_id == "module_1":
+                weights.append((e.get_observations(0), e.get_extra_model_outputs("weights", -1)))
+    # module_1: observation 0 holds ~5 / (5 + 99e-3) of the mass; module_2 draws it ~1 time in 100
+    assert hits["module_1"] > 0.9 * 640 and hits["module_2"] < 0.05 * 640
+    favoured = [w for o, w in weights if o == 0.0]
+    others = [w for o, w in weights if o != 0.0]
+    assert max(favoured) < 0.01 and others and np.allclose(others, 1.0, atol=1e-3)
+
+
+# -- state and refusals -----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("cls", UNIFORM + PRIORITIZED, ids=by_name)
+def test_state_round_trip_keeps_counts(cls):
+    """RLlib's ``test_get_state_and_set_state`` on public counts (RLlib's test also compares a private index)."""
+    rng = np.random.default_rng(6)
+    buffer = cls(capacity=500)
+    for k in range(30):
+        buffer.add(episode(rng, id_=f"E{k}"))
+    buffer.sample(batch_size_B=8)
+    restored = cls(capacity=500)
+    restored.set_state(buffer.get_state())
+    assert counts(restored) == counts(buffer)
+    assert restored.get_sampled_timesteps() == buffer.get_sampled_timesteps()
+    for module_id in buffer.get_module_ids():
+        assert restored.get_sampled_timesteps(module_id) == buffer.get_sampled_timesteps(module_id)
+    assert [e.id_ for e in restored.episodes] == [e.id_ for e in buffer.episodes]
+
+
+@pytest.mark.parametrize("cls", CONDUIT, ids=by_name)
+def test_restored_buffer_draws_what_the_original_draws(cls, tmp_path):
+    rng = np.random.default_rng(7)
+    buffer = cls(capacity=500)
+    for k in range(30):
+        buffer.add(episode(rng, id_=f"E{k}", offset=1000.0 * k))
+    restored = cls(capacity=500)
+    conduit_rllib.load_buffer(restored, conduit_rllib.save_buffer(buffer, tmp_path / "buffer"))
+    for _ in range(3):
+        a, b = buffer.sample(batch_size_B=16, n_step=2), restored.sample(batch_size_B=16, n_step=2)
+        assert [(e.id_, e.get_observations(0), e.get_rewards(-1)) for e in a] == \
+            [(e.id_, e.get_observations(0), e.get_rewards(-1)) for e in b]
+        if buffer._prioritized:
+            priorities = np.linspace(0.1, 2.0, 16)
+            for target in (buffer, restored):
+                target.update_priorities(priorities, "module_2")
+
+
+@pytest.mark.parametrize("cls", CONDUIT, ids=by_name)
+def test_refusals_name_the_problem_and_change_nothing(cls):
+    rng = np.random.default_rng(8)
+    buffer = cls(capacity=200)
+    buffer.add(episode(rng, 20, "A"))
+    before = counts(buffer)
+    single = SingleAgentEpisode(observations=[0.0, 1.0], actions=[0], rewards=[1.0])
+    with pytest.raises(TypeError, match="expected MultiAgentEpisode"):
+        buffer.add([episode(rng, 5, "B"), single])
+    ragged = episode(rng, 5, "C")
+    ragged.agent_episodes["agent_1"].observations.data[0] = np.zeros(3, np.float32)
+    with pytest.raises(ValueError, match="observations differ in shape"):
+        buffer.add([episode(rng, 5, "D"), ragged])
+    wider = episode(rng, 5, "E")
+    wider.agent_episodes["agent_2"].observations.data[:] = [np.zeros(3)] * 6
+    with pytest.raises(ValueError, match=r"obs is float32\[3\] per step, the buffer stores float32\[\]"):
+        buffer.add([episode(rng, 5, "F"), wider])
+    assert counts(buffer) == before
+    with pytest.raises(NotImplementedError, match="synchronized"):
+        buffer.sample(batch_size_B=4, replay_mode="synchronized")
+    with pytest.raises(ValueError, match="nope"):
+        buffer.sample(batch_size_B=4, modules_to_sample=["nope"])
+    with pytest.raises(ValueError, match="deliver"):
+        cls(capacity=10, deliver="torch")
+    with pytest.raises(ValueError, match="capacity"):
+        cls(capacity=0)
+    assert counts(buffer) == before and buffer.get_sampled_timesteps() == 0
+
