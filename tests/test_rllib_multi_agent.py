@@ -35,7 +35,7 @@ CONDUIT = [conduit_rllib.ConduitMultiAgentEpisodeReplayBuffer,
            conduit_rllib.ConduitMultiAgentPrioritizedEpisodeReplayBuffer]
 MODULES = {"agent_1": "module_1", "agent_2": "module_2"}
 ROUNDS = 50  # sample calls per scenario (RLlib's tests make 1,000)
-TOLERANCE = 1e-6  # Conduit stores float32 (RLlib's tests compare float64 values to 1e-8)
+TOLERANCE = 1e-8  # as RLlib's tests: float64 values come back from the Conduit buffers as they were added
 
 
 def by_name(cls):
@@ -138,7 +138,7 @@ def test_independent_sample_as_rllib(cls):
             offset = 1000.0 * int(e.multi_agent_episode_id[1:])
             assert abs((obs - offset) - action) < TOLERANCE
             assert abs(next_obs - obs - 1) < TOLERANCE
-            assert abs(reward * 10 - (next_obs - offset)) < 10 * TOLERANCE * max(1.0, next_obs - offset)
+            assert abs(reward * 10 - (next_obs - offset)) < TOLERANCE
             assert abs(weight - 1.0) < TOLERANCE and n == 1
             assert MODULES[e.agent_id] == e.module_id and stored[e.multi_agent_episode_id][e.agent_id] == e.id_
 
@@ -157,7 +157,7 @@ def test_n_step_windows_stay_in_the_agents_episode(cls):
             t = obs - 1000.0 * int(e.multi_agent_episode_id[1:])
             expected = sum(gamma ** k * 0.1 * (t + k + 1) for k in range(3))
             assert abs(next_obs - obs - 3) < TOLERANCE
-            assert abs(e.get_rewards(-1) - expected) < 1e-4
+            assert abs(e.get_rewards(-1) - expected) < TOLERANCE
             assert e.get_extra_model_outputs("n_step", -1) == 3
 
 

@@ -37,8 +37,11 @@ What RLlib users can rely on, as RLlib defines it:
   keys and shapes in every step); ``include_infos`` returns the infos of ``o_t`` and ``o_(t+n)``,
   ``include_extra_model_outputs`` those of step t. Anything else (strings, nested dicts, keys that change between
   episodes) is refused at ``add`` with the key named, before anything is stored.
-* **Dtypes.** 64-bit leaves are stored as 32-bit (float64 -> float32: relative error <= 6e-8; int64 -> int32: values
-  outside int32 are refused at ``add``). Rewards are float32; n-step sums are computed in float32.
+* **Dtypes.** What ``sample()`` returns is what was added: a float64 leaf (rewards given as Python floats, float64
+  observations) is stored twice, as float32 for the kernels and as its 64-bit pattern (two uint32 words, gathered,
+  never computed on), and comes back bit for bit; n-step sums of float64 rewards are computed in float64 on the host
+  from the window's exact rewards. int64 leaves are stored as int32 (values outside int32 are refused at ``add``).
+  ``deliver="torch"`` hands the learner the float32 columns (float64 -> float32: relative error <= 6e-8).
 * ``get_state()`` / ``set_state()``: NumPy arrays and JSON-able metadata, nothing pickled (``checkpoint.py``).
 
 How: steps are items of a Conduit buffer (``samplers.prioritized``; ``alpha=0`` for the uniform class) in a ring of
@@ -104,6 +107,7 @@ STATE_FORMAT = "conduit_rllib.episode_replay_buffer"
 STATE_VERSION = 3
 STORAGE_FACTOR = 2  # the ring holds this many times `capacity` steps (see the module docstring)
 PRIORITY_FLOOR = 1e-12  # RLlib's smallest priority
+EXACT = "exact__"  # prefix of the column that keeps a float64 column's values bit for bit
 _NARROW = {np.dtype(np.int64): np.dtype(np.int32), np.dtype(np.uint64): np.dtype(np.uint32),
            np.dtype(np.float64): np.dtype(np.float32)}
 _KNOWN_KWARGS = {"type", "metrics_num_episodes_for_smoothing"}
@@ -234,6 +238,33 @@ def _narrowed(name: str, where: str, key: str, values) -> np.ndarray:
             raise ValueError(f"{name}.add(): {where} {key!r} holds values outside {target} ([{array.min()}, "
                              f"{array.max()}]), which the buffer stores them as (nothing was added)")
     return array.astype(target, copy=False)
+
+
+def _bits(values: np.ndarray) -> np.ndarray:
+    """float64 values as their bit patterns, two uint32 words each (JAX on CPU computes in 32 bits; the words are
+    only stored and gathered, so what comes back is exactly what was added)."""
+    values = np.ascontiguousarray(values, np.float64)
+    return values.view(np.uint32).reshape(values.shape + (2,))
+
+
+def _unbits(words: np.ndarray) -> np.ndarray:
+    words = np.ascontiguousarray(words, np.uint32)
+    return words.view(np.float64).reshape(words.shape[:-1])
+
+
+def _exact_values(host: dict, gamma: float) -> dict:
+    """A drawn batch's float64 columns as they were added: bit patterns back to float64, and the n-step sums of
+    float64 rewards recomputed in float64 (RLlib's recursion, from the window's last reward back)."""
+    for key in [k for k in host if k.startswith(EXACT)]:
+        words = host.pop(key)
+        if key == EXACT + "reward_window":
+            rewards, used, total = _unbits(words), host["n_step"], 0.0
+            for k in range(rewards.shape[1] - 1, -1, -1):
+                total = np.where(k < used, rewards[:, k] + gamma * total, total)
+            host[Columns.REWARDS] = np.asarray(total, np.float64)
+        else:
+            host[key[len(EXACT):]] = _unbits(words)
+    return host
 
 
 def _pieces(n: int):
@@ -385,8 +416,10 @@ class _ConduitEpisodeBuffer:
         the first ``size`` whose window fits (``redraw``: RLlib's PER resampling) or all of them (windows clipped at
         the episode's end), and the importance weights for ``beta``."""
         buffer = self._buffer(candidates)
-        at_start = [k for k in self._spec.names if k.startswith(("extra__", "info__"))]  # of step t
-        at_end = [k for k in self._spec.names if k.startswith("next_info__")]  # of the window's last step
+        names = set(self._spec.names)
+        at_start = [k for k in names if k.startswith(("extra__", "info__", EXACT + "extra__", EXACT + "info__"))]
+        at_end = [k for k in names if k.startswith(("next_info__", EXACT + "next_info__"))]  # the window's last step
+        exact_reward = EXACT + "reward" in names
         prioritized = self._prioritized
 
         def draw(state, links, n, beta, gamma, seed, counter):
@@ -395,12 +428,15 @@ class _ConduitEpisodeBuffer:
             rows = delivery.ids[:, 0]
             last, going, fits = rows, jnp.ones(rows.shape, jnp.bool_), jnp.ones(rows.shape, jnp.bool_)
             ret, used = delivery.data["reward"].astype(jnp.float32), jnp.ones(rows.shape, jnp.int32)
+            window = [delivery.data[EXACT + "reward"]] if exact_reward else []  # float64 rewards, bit for bit
             for k in range(1, longest):
                 following = links[0, last]
                 step = going & (k < n) & (following >= 0)
                 fits = fits & ((k >= n) | step)
-                reward = buffer.read(state, jnp.where(step, following, 0))["reward"]
-                ret = ret + jnp.where(step, jnp.power(gamma, k) * reward, 0.0)
+                read = buffer.read(state, jnp.where(step, following, 0))
+                ret = ret + jnp.where(step, jnp.power(gamma, k) * read["reward"], 0.0)
+                if exact_reward:
+                    window.append(jnp.where(step[:, None], read[EXACT + "reward"], 0))
                 last, used, going = jnp.where(step, following, last), used + step.astype(jnp.int32), step
             end = buffer.read(state, last)
             if redraw:
@@ -413,6 +449,12 @@ class _ConduitEpisodeBuffer:
                        Columns.ACTIONS: delivery.data["action"], Columns.REWARDS: ret,
                        Columns.TERMINATEDS: end["terminated"], Columns.TRUNCATEDS: end["truncated"],
                        "n_step": used, "weights": weights.astype(jnp.float32)}
+            for source, column, data in (("obs", Columns.OBS, delivery.data), ("next_obs", Columns.NEXT_OBS, end),
+                                         ("action", Columns.ACTIONS, delivery.data)):
+                if EXACT + source in names:
+                    columns[EXACT + column] = data[EXACT + source]
+            if exact_reward:
+                columns[EXACT + "reward_window"] = jnp.stack(window, axis=1)  # [B, longest, 2]
             columns.update({k: delivery.data[k] for k in at_start})
             columns.update({k: end[k] for k in at_end})
             columns = {k: v[order] for k, v in columns.items()}
@@ -427,6 +469,8 @@ class _ConduitEpisodeBuffer:
         ``is_truncated`` as RLlib sets them. A row needs at most T // 2 + 1 draws (an entry run is >= 2 long)."""
         draws = length // 2 + 1
         buffer = self._buffer(size * draws)
+        names = set(self._spec.names)
+        exact = {k: EXACT + k in names for k in ("obs", "action", "reward")}
 
         def pick(condition, a, b):
             return jnp.where(condition.reshape(condition.shape + (1,) * (a.ndim - 1)), a, b)
@@ -436,23 +480,33 @@ class _ConduitEpisodeBuffer:
             pool = delivery.ids[:, 0].reshape(size, draws)
             start = pool[:, 0]
             before = links[1, start]
-            first_reward = jnp.where(before >= 0, buffer.read(state, jnp.maximum(before, 0))["reward"], 0.0)
+            first = buffer.read(state, jnp.maximum(before, 0))
+            first_reward = jnp.where(before >= 0, first["reward"], 0.0)
+            first_bits = jnp.where((before >= 0)[:, None], first[EXACT + "reward"], 0) if exact["reward"] else \
+                jnp.zeros((size, 2), jnp.uint32)
             zeros = jnp.zeros((size,), jnp.bool_)
 
             def entry(carry, t):
-                row, final, segment, reward, first = carry
+                row, final, segment, reward, bits, first = carry
                 data = buffer.read(state, row)
                 out = {"obs": pick(final, data["next_obs"], data["obs"]), "actions": data["action"],
                        "rewards": reward, "is_first": first, "is_last": final | (t == length - 1),
                        "is_terminated": final & data["terminated"], "is_truncated": final & data["truncated"]}
+                if exact["obs"]:  # float64 columns, bit for bit
+                    out[EXACT + "obs"] = pick(final, data[EXACT + "next_obs"], data[EXACT + "obs"])
+                if exact["action"]:
+                    out[EXACT + "actions"] = data[EXACT + "action"]
+                if exact["reward"]:
+                    out[EXACT + "rewards"] = bits
+                    bits = jnp.where(final[:, None], 0, data[EXACT + "reward"])
                 following = links[0, row]
                 segment = segment + final.astype(jnp.int32)
                 fresh = links[2, jnp.take_along_axis(pool, jnp.minimum(segment, draws - 1)[:, None], 1)[:, 0]]
                 row = jnp.where(final, fresh, jnp.where(following >= 0, following, row))
                 reward = jnp.where(final, 0.0, data["reward"].astype(jnp.float32))
-                return (row, ~final & (following < 0), segment, reward, final), out
+                return (row, ~final & (following < 0), segment, reward, bits, final), out
 
-            carry = (start, zeros, jnp.zeros((size,), jnp.int32), first_reward.astype(jnp.float32), ~zeros)
+            carry = (start, zeros, jnp.zeros((size,), jnp.int32), first_reward.astype(jnp.float32), first_bits, ~zeros)
             _, out = jax.lax.scan(entry, carry, jnp.arange(length))
             return state, {k: jnp.swapaxes(v, 0, 1) for k, v in out.items()}
 
@@ -476,19 +530,32 @@ class _ConduitEpisodeBuffer:
         if not isinstance(obs, np.ndarray) or obs.dtype == object:
             raise NotImplementedError(f"{name}: observations must be arrays (Box / Discrete spaces); got "
                                       f"{type(obs).__name__}")
-        obs = _narrowed(name, "observations", "obs", obs)
         ends = np.zeros(length, np.bool_)
-        columns = {"obs": obs[:-1], "next_obs": obs[1:],
-                   "action": _narrowed(name, "actions", "action", episode.get_actions(slice(0, length))),
-                   "reward": np.asarray(episode.get_rewards(slice(0, length)), np.float32),
-                   "terminated": ends.copy(), "truncated": ends.copy()}
+        columns = {"terminated": ends.copy(), "truncated": ends.copy()}
         columns["terminated"][-1] = episode.is_terminated
         columns["truncated"][-1] = episode.is_truncated
+
+        def put(where: str, key, values, parts: dict) -> None:
+            """Store ``values`` (narrowed to 32 bits) under each column of ``parts`` (column -> slice); float64 ones
+            also bit for bit."""
+            raw = np.asarray(values)
+            narrow = _narrowed(name, where, key, raw)
+            for column, part in parts.items():
+                columns[column] = narrow[part]
+                if raw.dtype == np.float64:
+                    columns[EXACT + column] = _bits(raw[part])
+
+        everything = slice(None)
+        put("observations", "obs", obs, {"obs": slice(None, -1), "next_obs": slice(1, None)})
+        put("actions", "action", episode.get_actions(slice(0, length)), {"action": everything})
+        rewards = np.asarray(episode.get_rewards(slice(0, length)))
+        put("rewards", "reward", rewards.astype(np.float64 if rewards.dtype == np.float64 else np.float32),
+            {"reward": everything})
         origin = {}  # column -> the extra_model_outputs / infos key it holds
         for key in episode.extra_model_outputs.keys():
             origin[f"extra__{key}"] = key
-            columns[f"extra__{key}"] = _narrowed(name, "extra_model_outputs key", key,
-                                                 episode.get_extra_model_outputs(key, slice(0, length)))
+            put("extra_model_outputs key", key, episode.get_extra_model_outputs(key, slice(0, length)),
+                {f"extra__{key}": everything})
         infos = episode.get_infos(slice(0, length + 1))
         if any(infos):
             keys = set(infos[0]) if isinstance(infos[0], dict) else None
@@ -498,9 +565,9 @@ class _ConduitEpisodeBuffer:
                                      f"stored; episode {episode.id_!r} has {sorted(map(str, keys or ()))} and "
                                      f"{info!r} (nothing was added)")
             for key in sorted(keys, key=str):
-                values = _narrowed(name, "infos key", key, [info[key] for info in infos])
                 origin[f"info__{key}"] = origin[f"next_info__{key}"] = key
-                columns[f"info__{key}"], columns[f"next_info__{key}"] = values[:-1], values[1:]
+                put("infos key", key, [info[key] for info in infos],
+                    {f"info__{key}": slice(None, -1), f"next_info__{key}": slice(1, None)})
         return _Chunk(episode.id_, columns, length, bool(episode.is_terminated), bool(episode.is_truncated), origin,
                       spaces=(episode.observation_space, episode.action_space),
                       owner=(episode.agent_id, episode.module_id, episode.multi_agent_episode_id))
@@ -511,7 +578,9 @@ class _ConduitEpisodeBuffer:
             raise ValueError(f"{name}.add(): episode {chunk.id_!r} has columns {sorted(chunk.columns)}, the buffer "
                              f"stores {sorted(spec.names)} (infos / extra_model_outputs keys are fixed by the first "
                              f"add; nothing was added)")
-        for key, shape, dtype in zip(spec.names, spec.shapes, spec.dtypes):
+        # a column's bit-for-bit twin last: the message names what the user gave
+        columns = sorted(zip(spec.names, spec.shapes, spec.dtypes), key=lambda column: column[0].startswith(EXACT))
+        for key, shape, dtype in columns:
             value = chunk.columns[key]
             if value.shape[1:] != tuple(shape) or value.dtype != dtype:
                 raise ValueError(f"{name}.add(): episode {chunk.id_!r}: {key} is {value.dtype}{list(value.shape[1:])}"
@@ -772,7 +841,7 @@ class _ConduitEpisodeBuffer:
             raise ValueError(f"{name}.sample(): the buffer is empty; add() episodes first")
         padded = size + (-size) % self.num_shards
         self._state, out = self._kernel("sequences", padded, int(length))(self._state, self._links)
-        out = {k: np.asarray(v)[:size] for k, v in jax.device_get(out).items()}
+        out = _exact_values({k: np.asarray(v)[:size] for k, v in jax.device_get(out).items()}, 0.0)
         self.sampled_timesteps += size * length
         self._log_sample(size * length, None, 0)
         self.timings["sample"] += time.perf_counter() - start
@@ -815,7 +884,7 @@ class _ConduitEpisodeBuffer:
     def _public(self, columns: dict, infos: bool, extras: bool) -> dict:
         """The train-batch columns asked for: RLlib's, plus extra_model_outputs / infos columns on request."""
         return {k: v for k, v in columns.items() if not (k.startswith(("info__", "next_info__")) and not infos)
-                and not (k.startswith("extra__") and not extras)}
+                and not (k.startswith("extra__") and not extras) and not k.startswith(EXACT)}
 
     def _log_sample(self, steps: int, mean_n: Optional[float], resamples: int) -> None:
         """RLlib's sample metrics; ``mean_n`` None for sequence batches (RLlib logs no n-step there)."""
@@ -833,7 +902,8 @@ class _ConduitEpisodeBuffer:
     def _episodes(self, drawn: _Drawn, to_numpy: bool, infos: bool, extras: bool) -> list:
         """RLlib's 1-step episodes (o_t, a_t, G_t, o_{t+n}) with ``weights`` and ``n_step`` model outputs, each
         carrying its stored episode's id, agent, module and multi-agent episode."""
-        host = {k: np.asarray(v) for k, v in jax.device_get(drawn.columns).items()}
+        host = _exact_values({k: np.asarray(v) for k, v in jax.device_get(drawn.columns).items()},
+                             drawn.request.gamma)
         records = [self._by_first[first] for first in self._owner[np.asarray(drawn.ids)[:, 0]]]
         obs, next_obs, actions = host[Columns.OBS], host[Columns.NEXT_OBS], host[Columns.ACTIONS]
         rewards, weights, steps = host[Columns.REWARDS], host["weights"], host["n_step"]
