@@ -298,14 +298,14 @@ class _Run:
             action = rng.integers(0, config.num_actions, config.envs_per_actor)
             self.env_states[actor], transitions = env_step(self.env_params, self.env_states[actor], action, rng)
             outgoing.append(transitions)
+        for transitions in outgoing:  # the actors' bookkeeping, outside the timed ingest and deliver
+            self.items_in += len(transitions["done"])
+            self.episodes_ended += int(transitions["done"].sum())
+        self.ingest_calls += len(outgoing)
         t1 = time.perf_counter()
         for transitions in outgoing:
             plane.ingest(transitions)
         t2 = time.perf_counter()
-        for transitions in outgoing:
-            self.items_in += len(transitions["done"])
-            self.episodes_ended += int(transitions["done"].sum())
-        self.ingest_calls += len(outgoing)
         try:
             delivery = plane.deliver(recycle=self._previous)
         except (NotEnoughDataError, RateLimitedError):  # the ring is still filling
