@@ -235,6 +235,7 @@ class Scheduler:
         self.step = 0  # deliver() calls completed
         self.epoch = 0  # policy-version switches and state assignments: an older batch is re-checked when delivered
         self.recycle = None  # a batch deliver() handed over for the worker's next draw
+        self.last_delivered = None  # what the last deliver() returned (a recycle of it needs no layout check)
         self._last_end: Optional[float] = None
         self._smoothed = {"exposed": 0.0, "learner": 0.0}  # exponential averages (s) the adaptive policy reads
         self.worker = DeliveryWorker(lock, self.poll, "conduit-delivery") if schedule.depth else None
@@ -321,6 +322,7 @@ class Scheduler:
         if not batch.ready:
             jax.block_until_ready(batch.delivery)
         delivery = batch.delivery if batch.epoch == self.epoch else self._refresh(batch.delivery)
+        self.last_delivered = delivery
         if worker is None:
             self._delivered(timeline, start)
         else:

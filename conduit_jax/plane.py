@@ -220,11 +220,15 @@ class ExperienceDataPlane:
         return delivery
 
     def _check_recycle(self, recycle: Optional[Delivery], where: str) -> None:
-        if recycle is not None and self._schedule.holds(recycle):
+        if recycle is None:
+            return
+        if self._schedule.holds(recycle):
             raise SpecError(f"{where}: recycle is a batch still queued for deliver() (or already handed over for "
                             f"recycling); only a delivered batch the learner is done with can be recycled")
-        if recycle is not None:
-            self.engine.check_recycle(recycle, where)
+        if recycle is self._schedule.last_delivered and \
+                not any(leaf.is_deleted() for leaf in jax.tree_util.tree_leaves(recycle)):
+            return  # what the last deliver() returned has the engine's layout (only a donation can spoil it)
+        self.engine.check_recycle(recycle, where)
 
     def can_sample(self) -> bool:
         """Whether ``sample()`` would deliver now without waiting."""
@@ -403,6 +407,7 @@ class ExperienceDataPlane:
             engine.compiles.update(self.engine.compiles)
             engine.state = self.state  # moved to the new shardings
             self.config, self.mesh, self.engine = config, config.mesh, engine
+            self._schedule.last_delivered = None  # delivered in the old layout: a recycle of it is checked in full
 
     def set_policy_version(self, version: int) -> None:
         """Tell the plane the learner's current policy version (it never goes back). With ``staleness`` set, items
