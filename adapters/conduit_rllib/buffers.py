@@ -1227,20 +1227,22 @@ class _ConduitMultiAgentBuffer:
         for old in evicted:
             for part in old.agents.values():
                 evict[part.module_id].append(part.episode_id)
-        stores, plans = {}, {}
-        for module_id in set(parts) | {m for m in evict if self._modules.get(m) is not None}:
+        stores, plans, created = {}, {}, sum(store is not None for store in self._modules.values())
+        touched = list(dict.fromkeys([*agents, *evict]))  # modules in the order they first appear
+        for module_id in [m for m in touched if parts.get(m) or self._modules.get(m) is not None]:
             store = self._modules.get(module_id)
-            if store is None:  # a new module: its ring holds 2 x capacity steps per agent it serves
+            if store is None:  # a new module: its ring holds 2 x capacity steps per agent it serves; its seed
+                created += 1  # follows the modules' order, the same in every process
                 store = self._new_store(self.capacity * (self.agents_per_module or len(agents[module_id])),
-                                        module_id, self.seed + 7919 * (len(stores) + len(self._modules) + 1))
+                                        module_id, self.seed + 7919 * created)
             stores[module_id] = store
             plans[module_id] = store._prepare([store._chunk(part) for part in parts[module_id]], evict[module_id])
         # commit: the stores, then the episode index and RLlib's counters
+        for module_id in touched:  # get_module_ids() lists modules in the order they first appeared, as RLlib
+            self._modules.setdefault(module_id, None)
         for module_id, store in stores.items():
             store._commit(plans[module_id])
             self._modules[module_id] = store
-        for module_id in agents:
-            self._modules.setdefault(module_id, None)
         metrics = self._count(kept, evicted, order, live)
         self._order, self._live = order, live
         self._num_timesteps, self._num_timesteps_added = timesteps, added
@@ -1341,7 +1343,7 @@ class _ConduitMultiAgentBuffer:
             episodes = store._episodes(drawn, to_numpy, include_infos, include_extra_model_outputs)
             out.extend(episodes)
             self._counts[module_id]["sampled"] += size
-            mean_n = float(np.mean([e.get_extra_model_outputs("n_step", 0) for e in episodes]))
+            mean_n = float(np.mean(np.asarray(drawn.columns["n_step"])))
             for agent_id in {e.agent_id for e in episodes}:
                 picked = [e for e in episodes if e.agent_id == agent_id]
                 metrics["agent_to_num_steps_sampled"][agent_id] = len(picked)
@@ -1448,9 +1450,9 @@ class _ConduitMultiAgentBuffer:
             raise ValueError(f"{name}.set_state(): the state was saved by a buffer configured differently "
                              f"(saved, this): {differ}")
         modules = {}
-        for index, (module_id, capacity, _, saved) in enumerate(state["modules"]):
+        for module_id, capacity, _, saved in state["modules"]:
             if saved is not None:
-                store = self._new_store(int(capacity), module_id, self.seed + 7919 * (index + 1))
+                store = self._new_store(int(capacity), module_id, int(saved["config"]["seed"]))
                 store.set_state(saved)  # checks its arrays before changing anything
                 modules[module_id] = store
             else:
