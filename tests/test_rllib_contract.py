@@ -268,3 +268,24 @@ def test_uniform_sequence_batches_as_rllib(cls):
         assert np.all(following | (is_first[:, 1:] & (obs[:, 1:] == 0)))
         assert np.all(np.where(is_first[:, 1:], is_last[:, :-1], True))
     assert buffer.get_sampled_timesteps() == 16 * 64 * (ROUNDS // 4)
+
+
+# -- the tool that runs RLlib's own test files on the Conduit classes ---------------------------------------------------
+def test_rllib_own_tests_tool_substitutes_every_buffer_class(tmp_path):
+    """``experiments/rllib_own_tests.py`` runs a test file unmodified, natively and with the Conduit classes in
+    RLlib's modules (a test file here stands for RLlib's: it checks which class its import found)."""
+    from experiments import rllib_own_tests
+
+    probe = tmp_path / "test_which_class.py"
+    probe.write_text(
+        "from ray.rllib.utils.replay_buffers import MultiAgentPrioritizedEpisodeReplayBuffer as package_level\n"
+        "from ray.rllib.utils.replay_buffers.episode_replay_buffer import EpisodeReplayBuffer\n"
+        "from ray.rllib.utils.replay_buffers.prioritized_episode_buffer import PrioritizedEpisodeReplayBuffer\n"
+        "from ray.rllib.utils.replay_buffers.multi_agent_episode_buffer import MultiAgentEpisodeReplayBuffer\n\n"
+        "def test_conduit():\n"
+        "    for cls in (package_level, EpisodeReplayBuffer, PrioritizedEpisodeReplayBuffer,\n"
+        "                MultiAgentEpisodeReplayBuffer):\n"
+        "        assert cls.__name__.startswith('Conduit'), cls\n")
+    assert rllib_own_tests.run_file(probe, conduit=True) == {"test_which_class::test_conduit": "passed"}
+    native = rllib_own_tests.run_file(probe, conduit=False)
+    assert native["test_which_class::test_conduit"].startswith("failure")
