@@ -272,8 +272,8 @@ def test_uniform_sequence_batches_as_rllib(cls):
 
 # -- the tool that runs RLlib's own test files on the Conduit classes ---------------------------------------------------
 def test_rllib_own_tests_tool_substitutes_every_buffer_class(tmp_path):
-    """``experiments/rllib_own_tests.py`` runs a test file unmodified, natively and with the Conduit classes in
-    RLlib's modules (a test file here stands for RLlib's: it checks which class its import found)."""
+    """``experiments/rllib_own_tests.py`` runs a test file unmodified with the Conduit classes in RLlib's modules (a
+    test file here stands for RLlib's: it checks which class each of its imports found)."""
     from experiments import rllib_own_tests
 
     probe = tmp_path / "test_which_class.py"
@@ -287,5 +287,3 @@ def test_rllib_own_tests_tool_substitutes_every_buffer_class(tmp_path):
         "                MultiAgentEpisodeReplayBuffer):\n"
         "        assert cls.__name__.startswith('Conduit'), cls\n")
     assert rllib_own_tests.run_file(probe, conduit=True) == {"test_which_class::test_conduit": "passed"}
-    native = rllib_own_tests.run_file(probe, conduit=False)
-    assert native["test_which_class::test_conduit"].startswith("failure")
