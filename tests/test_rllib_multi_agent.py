@@ -262,3 +262,21 @@ def test_refusals_name_the_problem_and_change_nothing(cls):
         cls(capacity=0)
     assert counts(buffer) == before and buffer.get_sampled_timesteps() == 0
 
+
+
+@pytest.mark.parametrize("cls", CONDUIT, ids=by_name)
+def test_a_module_outgrowing_its_ring_is_refused_naming_agents_per_module(cls):
+    """A module's ring is sized by its agents in the first episode that had one (2 x capacity steps each): more
+    agents later can keep more steps than it holds; that add is refused, nothing changes, and the message says what
+    to raise. With ``agents_per_module`` it fits."""
+    rng = np.random.default_rng(9)
+    buffer = cls(capacity=10)
+    buffer.add(episode(rng, 5, "A", agents={"a": "shared"}))
+    before = counts(buffer)
+    with pytest.raises(ValueError, match="agents_per_module"):
+        buffer.add(episode(rng, 11, "B", agents={"a": "shared", "b": "shared"}))
+    assert counts(buffer) == before
+    roomy = cls(capacity=10, agents_per_module=2)
+    roomy.add(episode(rng, 5, "A", agents={"a": "shared"}))
+    roomy.add(episode(rng, 11, "B", agents={"a": "shared", "b": "shared"}))
+    assert roomy.get_num_timesteps("shared") == 22 and [e.id_ for e in roomy.episodes] == ["B"]

@@ -336,6 +336,11 @@ class _ConduitEpisodeBuffer:
         """How error messages name this buffer."""
         return type(self).__name__
 
+    @property
+    def _too_small(self) -> str:
+        """What an add refused for want of ring space tells the user to change."""
+        return f"the ring holds {STORAGE_FACTOR} x capacity={self.capacity} steps: raise capacity"
+
     def _reset(self) -> None:
         self._order: collections.deque = collections.deque()  # StoredEpisode, oldest first
         self._live: dict = {}  # episode id -> StoredEpisode
@@ -693,8 +698,7 @@ class _ConduitEpisodeBuffer:
             if oldest < item - self.storage_capacity:
                 raise ValueError(f"{name}.add(): after this add the buffer would keep {plan.timesteps} steps, the "
                                  f"oldest of episode {plan.order[0].id_!r} {item - oldest} steps back, more than the "
-                                 f"{self.storage_capacity} steps it stores ({STORAGE_FACTOR} x capacity="
-                                 f"{self.capacity}); raise capacity (nothing was added)")
+                                 f"{self.storage_capacity} steps it stores; {self._too_small} (nothing was added)")
         return plan._replace(spec=spec, keys=dict(chunks[0].keys) if chunks else {},
                              spaces=chunks[0].spaces if chunks else (None, None), item=item, segments=segments,
                              rows=rows, patches=patches)
@@ -1103,6 +1107,12 @@ class _ModuleStore(_ConduitEpisodeBuffer):
     @property
     def _name(self) -> str:
         return self._label
+
+    @property
+    def _too_small(self) -> str:
+        return (f"the module's ring holds {STORAGE_FACTOR} x capacity x agents_per_module = {self.storage_capacity} "
+                f"agent steps: raise capacity or agents_per_module (by default the number of the module's agents in "
+                f"the first episode that had one)")
 
     def _log_add(self, *args) -> None:
         pass
