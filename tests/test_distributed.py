@@ -145,7 +145,8 @@ def local_counts(sampler, items, batches, seed=1, priorities=None):
     return counts
 
 
-@pytest.mark.parametrize("actors", [1, pytest.param(2, marks=pytest.mark.slow), 4])  # 1 and 4 bracket 2 (14 s) in the default suite
+# the default suite runs 1 and 4 actors, which bracket 2 (14 s, under -m slow)
+@pytest.mark.parametrize("actors", [1, pytest.param(2, marks=pytest.mark.slow), 4])
 def test_uniform_matches_one_local_plane(ray_cluster, tmp_path, actors):
     items, batches = 60, 150
     with make(ray_cluster, tmp_path, samplers.uniform(32), actors, seed=100 + actors) as plane:
