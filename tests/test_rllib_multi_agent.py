@@ -54,6 +54,15 @@ def episode(rng, length=None, id_=None, *, offset=0.0, agents=MODULES):
     return e
 
 
+def filled(cls, seed, episodes, length=None, *, offsets=False, capacity=10_000, **kwargs):
+    """A buffer holding ``episodes`` episodes ``E0``, ``E1``, ... (observations offset by 1000 k with ``offsets``)."""
+    rng = np.random.default_rng(seed)
+    buffer = cls(capacity=capacity, **kwargs)
+    for k in range(episodes):
+        buffer.add(episode(rng, length, f"E{k}", offset=1000.0 * k if offsets else 0.0))
+    return buffer
+
+
 def counts(buffer):
     modules = sorted(buffer.get_module_ids())
     return (buffer.get_num_episodes(), buffer.get_num_timesteps(), buffer.get_num_agent_timesteps(),
@@ -163,10 +172,7 @@ def test_n_step_windows_stay_in_the_agents_episode(cls):
 
 @pytest.mark.parametrize("cls", UNIFORM + PRIORITIZED, ids=by_name)
 def test_modules_to_sample(cls):
-    rng = np.random.default_rng(4)
-    buffer = cls(capacity=10_000)
-    for k in range(20):
-        buffer.add(episode(rng, id_=f"E{k}"))
+    buffer = filled(cls, 4, 20)
     sample = buffer.sample(batch_size_B=8, modules_to_sample=["module_1"])
     assert {e.module_id for e in sample} == {"module_1"} and len(sample) == 8
     assert buffer.get_sampled_timesteps("module_2") == 0 and buffer.get_sampled_timesteps("module_1") == 8
@@ -176,10 +182,7 @@ def test_modules_to_sample(cls):
 def test_priorities_are_per_module(cls):
     """A module's priority update steers that module's draws only; weights at beta 1 are (P / P_min)^-1 within the
     module (the rarely drawn steps weigh 1, the favoured one less)."""
-    rng = np.random.default_rng(5)
-    buffer = cls(capacity=10_000, alpha=1.0)
-    for k in range(10):
-        buffer.add(episode(rng, 10, f"E{k}", offset=1000.0 * k))
+    buffer = filled(cls, 5, 10, 10, offsets=True, alpha=1.0)
     for _ in range(20):  # drive every module_1 step sampled to a tiny priority, except the first observation 0
         sample = buffer.sample(batch_size_B=64, n_step=1, modules_to_sample=["module_1"])
         buffer.update_priorities(np.array([5.0 if e.get_observations(0) == 0.0 else 1e-3 for e in sample]),
@@ -202,10 +205,7 @@ def test_priorities_are_per_module(cls):
 @pytest.mark.parametrize("cls", UNIFORM + PRIORITIZED, ids=by_name)
 def test_state_round_trip_keeps_counts(cls):
     """RLlib's ``test_get_state_and_set_state`` on public counts (RLlib's test also compares a private index)."""
-    rng = np.random.default_rng(6)
-    buffer = cls(capacity=10_000)
-    for k in range(30):
-        buffer.add(episode(rng, id_=f"E{k}"))
+    buffer = filled(cls, 6, 30)
     buffer.sample(batch_size_B=8)
     restored = cls(capacity=10_000)
     restored.set_state(buffer.get_state())
@@ -218,10 +218,7 @@ def test_state_round_trip_keeps_counts(cls):
 
 @pytest.mark.parametrize("cls", CONDUIT, ids=by_name)
 def test_restored_buffer_draws_what_the_original_draws(cls, tmp_path):
-    rng = np.random.default_rng(7)
-    buffer = cls(capacity=10_000)
-    for k in range(30):
-        buffer.add(episode(rng, id_=f"E{k}", offset=1000.0 * k))
+    buffer = filled(cls, 7, 30, offsets=True)
     restored = cls(capacity=10_000)
     conduit_rllib.load_buffer(restored, conduit_rllib.save_buffer(buffer, tmp_path / "buffer"))
     for _ in range(3):

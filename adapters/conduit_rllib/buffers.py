@@ -1161,15 +1161,12 @@ class _ConduitMultiAgentBuffer:
             raise ValueError(f"{name}: agents_per_module must be None or an int >= 1, got {agents_per_module!r}")
         self._store_config = dict(batch_size_B=batch_size_B, batch_length_T=batch_length_T, n_step=n_step,
                                   alpha=alpha, beta=beta, num_shards=num_shards, schedule=schedule)
-        self._new_store(capacity, "check", 0, **kwargs)  # checks every other argument as the single-agent buffers do
-        self.capacity = int(capacity)
-        self.batch_size_B = int(batch_size_B)
-        self.batch_length_T = batch_length_T
-        self.n_step = n_step
-        self.alpha = float(alpha) if self._prioritized else 0.0
-        self.beta = float(beta)
-        self.num_shards, self.seed, self.schedule, self.deliver = num_shards, int(seed), schedule, deliver
-        self.agents_per_module = agents_per_module
+        # a throwaway store checks every other argument as the single-agent buffers do; its settings are this one's
+        check = self._new_store(capacity, "check", seed, **kwargs)
+        for key in ("capacity", "batch_size_B", "batch_length_T", "n_step", "alpha", "beta", "num_shards", "seed",
+                    "schedule"):
+            setattr(self, key, getattr(check, key))
+        self.deliver, self.agents_per_module = deliver, agents_per_module
         self.rng = np.random.default_rng(seed)
         self.metrics = MetricsLogger(root=False)
         self._metrics_num_episodes_for_smoothing = metrics_num_episodes_for_smoothing
