@@ -1,7 +1,8 @@
 """What a durable shard's write-ahead log costs an ingest: ``ShardServer.ingest`` (the call a ``DistributedPlane``
-shard serves) with ``durable=True`` and ``durable=False``, side by side in interleaved rounds in one process, without
-Ray in the way (the shard object is built directly). SAC-sized transitions, batches of 32 and 256. Writes
-benchmarks/results/wal.json.
+shard serves) with ``durable=False``, ``True`` (logged, survives the process) and ``"fsync"`` (flushed to the disk,
+survives the host), side by side in interleaved rounds in one process, without Ray in the way (the shard object is
+built directly). SAC-sized transitions, batches of 32 and 256. The fsync figure depends on the disk under the
+temp folder. Writes benchmarks/results/wal.json.
 
     python -m benchmarks.bench_wal [--rounds 5] [--reps 200]
 """
@@ -46,18 +47,21 @@ def main(argv=None) -> int:
             batch = transitions(n)
             shards = {durable: ShardServer(0, spec, 1 << 20, samplers.uniform(256), devices=1, durable=durable,
                                            directory=os.path.join(scratch, f"{n}-{durable}"))
-                      for durable in (False, True)}
+                      for durable in (False, True, "fsync")}
             ops = {f"durable={durable}": (lambda s=shard: s.ingest(batch)) for durable, shard in shards.items()}
             timings = interleaved(ops, rounds=args.rounds, reps=args.reps)
-            plain, logged = (timings[f"durable={d}"].summary() for d in (False, True))
+            plain, logged, flushed = (timings[f"durable={d}"].summary() for d in (False, True, "fsync"))
             log_bytes = shards[True].log.appended_bytes / (shards[True].inserted // n)
-            rows.append({"batch": n, "plain": plain, "durable": logged,
+            rows.append({"batch": n, "plain": plain, "durable": logged, "fsync": flushed,
                          "ratio_median": logged["median_s"] / plain["median_s"],
                          "extra_us_median": (logged["median_s"] - plain["median_s"]) * 1e6,
+                         "fsync_ratio_median": flushed["median_s"] / plain["median_s"],
+                         "fsync_extra_us_median": (flushed["median_s"] - plain["median_s"]) * 1e6,
                          "log_bytes_per_call": log_bytes})
             print(f"batch {n:>4}: ingest {plain['median_s'] * 1e6:7.1f} us plain, {logged['median_s'] * 1e6:7.1f} us "
-                  f"durable ({logged['median_s'] / plain['median_s']:.2f}x, +{rows[-1]['extra_us_median']:.1f} us; "
-                  f"{log_bytes:,.0f} B logged per call)")
+                  f"durable ({logged['median_s'] / plain['median_s']:.2f}x, {rows[-1]['extra_us_median']:+.1f} us), "
+                  f"{flushed['median_s'] * 1e6:7.1f} us fsync ({rows[-1]['fsync_ratio_median']:.2f}x, "
+                  f"{rows[-1]['fsync_extra_us_median']:+.1f} us); {log_bytes:,.0f} B logged per call")
     out = {"benchmark": "wal", "environment": environment(memcpy_bandwidth(), {"runtime": runtime}),
            "rounds": args.rounds, "reps": args.reps, "rows": rows}
     Path(args.out).write_text(json.dumps(out, indent=1, default=str))

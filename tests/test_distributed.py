@@ -92,6 +92,23 @@ def test_route_prefers_the_producers_node():
         route("a", nodes, [False] * 4, 0)
 
 
+def test_an_fsync_shard_flushes_its_log_and_replays_it_after_a_restart(tmp_path):
+    """durable='fsync': the shard (built directly, without Ray) flushes each logged batch; a shard restarted on the
+    same directory holds every acknowledged item; any other value of durable is refused by name."""
+    from conduit_jax import ConfigError
+    from conduit_jax.distributed import DistributedPlane
+
+    with pytest.raises(ConfigError, match="durable must be True, False or 'fsync', got 'yes'"):
+        DistributedPlane(SPEC, 64, samplers.uniform(8), durable="yes")
+    shard = ray_plane.ShardServer(0, SPEC, 64, samplers.uniform(8), directory=str(tmp_path), devices=1,
+                                  durable="fsync")
+    assert shard.log.fsync and shard.ingest(batch(0, 5))["durable"]
+    shard.ingest(batch(5, 4))
+    again = ray_plane.ShardServer(0, SPEC, 64, samplers.uniform(8), directory=str(tmp_path), devices=1,
+                                  durable="fsync")
+    assert again.replayed == 9 and sorted(again.items()["data"]["x"].tolist()) == list(range(9))
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # On a local Ray cluster
 # ------------------------------------------------------------------------------------------------------------------

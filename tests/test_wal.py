@@ -67,3 +67,22 @@ def test_rotation_and_drop_keep_what_a_checkpoint_does_not_cover(tmp_path):
     log.drop_before(16)
     assert log.segments() == [16]
     assert [(b, n) for b, n, _, _ in replayed(log, 16)] == [(16, 2)]
+
+
+def test_an_fsync_log_flushes_every_append_and_each_new_segment(tmp_path, monkeypatch):
+    """fsync=True: each acknowledged append, and the directory entry of each new segment, is flushed to the disk
+    before the call returns; what it replays is the same as without."""
+    flushed = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (flushed.append(os.readlink(f"/proc/self/fd/{fd}")), real_fsync(fd)))
+    log = IngestLog(str(tmp_path / "wal"), SPEC, fsync=True)
+    for start, n in ((0, 5), (5, 3)):
+        log.append(start, batch(start, n), n)
+    log.rotate(8)
+    log.append(8, batch(8, 4), 4)
+    segment = [os.path.join(log.directory, f"{start:015d}.log") for start in (0, 8)]
+    directory = log.directory
+    # segment 0: its directory entry, two appends; segment 8: its directory entry, one append
+    assert flushed == [directory, segment[0], segment[0], directory, segment[1]]
+    assert [(b, n) for b, n, _, _ in replayed(IngestLog(str(tmp_path / "wal"), SPEC), 0)] == [(0, 5), (5, 3), (8, 4)]
+    assert not IngestLog(str(tmp_path / "other"), SPEC).fsync

@@ -33,8 +33,9 @@ orbax writes) every ``checkpoint_every_s`` seconds / ``checkpoint_every_items`` 
 (``shard.json``: incarnation, items ever inserted, items lost) that it rewrites after every ingest. With
 ``durable=True`` (the default) it also appends every ingested batch to a write-ahead log (``wal.py``) before it
 acknowledges the ingest. Ray restarts a dead shard (``max_restarts``); its constructor restores the newest finished
-checkpoint and replays the log from there, so an acknowledged item survives the crash of its shard's process (the
-log is not fsynced per ingest: a crash of the whole host can lose what the OS had not written yet). With
+checkpoint and replays the log from there, so an acknowledged item survives the crash of its shard's process. The
+log is not fsynced per ingest by default, so a crash of the whole host can lose what the OS had not written yet;
+``durable="fsync"`` flushes each logged batch to the disk before the acknowledgement and survives that too. With
 ``durable=False`` the items ingested since that checkpoint are lost; either way the shard counts what it could not
 bring back (recorded inserted - restored inserted) and reports it. While a
 shard is down the driver samples from the live shards only (``stats()['degraded']``; the distribution is then the
@@ -146,7 +147,7 @@ class ShardServer:
                  devices: Optional[int] = None, seed: int = 0, limiter=None, cast: bool = False,
                  checkpoint_every_s: Optional[float] = None, checkpoint_every_items: Optional[int] = None,
                  restore_from: Optional[str] = None, incremental: bool = False, max_to_keep: int = 2,
-                 jax_config: Optional[dict] = None, durable: bool = True):
+                 jax_config: Optional[dict] = None, durable=True):
         import jax
 
         for key, value in (jax_config or {}).items():
@@ -186,7 +187,7 @@ class ShardServer:
         if durable:  # the acknowledged ingests since that checkpoint, from this shard's write-ahead log
             from conduit_jax.distributed.wal import IngestLog
 
-            self.log = IngestLog(os.path.join(self.directory, WAL_DIR), self.plane.spec)
+            self.log = IngestLog(os.path.join(self.directory, WAL_DIR), self.plane.spec, fsync=durable == "fsync")
             for _, batch, n in self.log.replay(restored):
                 try:
                     self.plane.ingest(batch)
@@ -510,7 +511,9 @@ class DistributedPlane:
         a shard checks it at each call it serves (ingest, priority update, stats) and snapshots in the background.
       durable: each shard logs every batch it ingests before acknowledging it and replays the log after a restart,
         so no acknowledged item is lost to a crash of its process (see the module docstring; the log's cost on an
-        ingest is in ``benchmarks/bench_wal.py``). False: items since a shard's last snapshot are lost with it.
+        ingest is in ``benchmarks/bench_wal.py``). ``"fsync"``: the same, and each logged batch is flushed to the
+        disk before the acknowledgement, so it also survives a crash or power loss of the host (one disk flush per
+        ingest). False: items since a shard's last snapshot are lost with it.
       max_restarts: Ray restarts per actor. prefetch: requests ``deliver()`` keeps in flight.
       split: 'stratified' or 'multinomial' split of a batch over shards.
       placement: None (Ray's default scheduling), or a placement-group strategy ('PACK', 'SPREAD', 'STRICT_SPREAD')
@@ -530,11 +533,13 @@ class DistributedPlane:
                  cast: bool = False, sharding=None, beta=None, restore_from: Optional[str] = None,
                  max_pending_ingests: int = 8, incremental_checkpoints: bool = False,
                  jax_config: Optional[dict] = None, actor_env: Optional[dict] = None, probe_interval_s: float = 0.2,
-                 durable: bool = True):
+                 durable=True):
         import ray
 
         from conduit_jax import samplers as samplers_lib
 
+        if not (isinstance(durable, bool) or durable == "fsync"):
+            raise ConfigError(f"DistributedPlane(): durable must be True, False or 'fsync', got {durable!r}")
         if not ray.is_initialized():
             raise ConfigError("DistributedPlane(): call ray.init(...) first (the plane starts actors on that cluster)")
         manifest = None
@@ -604,7 +609,7 @@ class DistributedPlane:
                 seed=seed, limiter=limiter, cast=cast, checkpoint_every_s=checkpoint_every_s,
                 checkpoint_every_items=checkpoint_every_items,
                 restore_from=None if restore_from is None else os.path.join(restore_from, f"actor_{i}"),
-                incremental=incremental_checkpoints, jax_config=jax_config, durable=bool(durable))
+                incremental=incremental_checkpoints, jax_config=jax_config, durable=durable)
             self._shards.append(_Shard(i, handle, directory))
         try:
             infos = ray.get([s.handle.info.remote() for s in self._shards])

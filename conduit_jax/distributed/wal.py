@@ -3,9 +3,11 @@
 A ``DistributedPlane`` shard (``ray_plane.ShardServer``) appends every batch it has ingested to its log before it
 acknowledges the ingest, so an acknowledged item survives a crash of the shard's process: the restarted shard
 restores its newest checkpoint (which holds the first ``R`` items it ever inserted) and replays the logged batches
-from item ``R`` on, in order. The log is written with plain ``write`` calls (no ``fsync`` per ingest): the bytes
-are in the operating system's page cache when the call returns, which outlives the process (``kill -9``, a Python
-crash, Ray restarting the actor) but not a crash or power loss of the host.
+from item ``R`` on, in order. By default the log is written with plain ``write`` calls: the bytes are in the
+operating system's page cache when the call returns, which outlives the process (``kill -9``, a Python crash, Ray
+restarting the actor) but not a crash or power loss of the host. With ``fsync=True`` each append also waits for
+``fsync`` (and a new segment for an ``fsync`` of its directory), so an acknowledged batch is on the disk itself and
+survives the host too, at the cost of one disk flush per ingest (``benchmarks/bench_wal.py`` measures both).
 
 Layout: ``<directory>/<start>.log`` segments, ``start`` the shard's inserted count (items) when the segment was
 opened, zero-padded. A record is a 24-byte header (magic ``CWAL``, item count, the inserted count before the batch,
@@ -30,11 +32,13 @@ _SUFFIX = ".log"
 
 
 class IngestLog:
-    """The write-ahead log of one shard, in ``directory`` (created). ``spec``: the shard's ``ExperienceSpec``."""
+    """The write-ahead log of one shard, in ``directory`` (created). ``spec``: the shard's ``ExperienceSpec``.
+    ``fsync``: flush every append to the disk before it returns (see the module docstring)."""
 
-    def __init__(self, directory: str, spec):
+    def __init__(self, directory: str, spec, *, fsync: bool = False):
         self.directory = os.path.abspath(directory)
         os.makedirs(self.directory, exist_ok=True)
+        self.fsync = bool(fsync)
         self._treedef, self._dtypes, self._item_shapes = spec.treedef, spec.dtypes, spec.shapes
         self._item_bytes = [int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
                             for shape, dtype in zip(spec.shapes, spec.dtypes)]
@@ -57,6 +61,12 @@ class IngestLog:
         """Close the current segment and append from now on to a new one starting at inserted count ``start``."""
         self.close()
         self._file = open(self._path(start), "ab", buffering=0)
+        if self.fsync:  # the new file's directory entry must reach the disk too, or a host crash can lose the file
+            directory = os.open(self.directory, os.O_RDONLY)
+            try:
+                os.fsync(directory)
+            finally:
+                os.close(directory)
 
     def drop_before(self, covered: int) -> None:
         """Delete the segments a checkpoint holding the first ``covered`` items makes unnecessary: every segment whose
@@ -74,7 +84,7 @@ class IngestLog:
     # -- records --------------------------------------------------------------------------------------------------
     def append(self, inserted_before: int, batch, n: int) -> None:
         """Log a batch of ``n`` items (already checked against the spec) that the shard has just ingested; returns
-        once the bytes are with the operating system."""
+        once the bytes are with the operating system (with ``fsync``: on the disk)."""
         leaves = jax.tree_util.tree_leaves(batch)
         payload = b"".join(np.ascontiguousarray(np.asarray(leaf), dtype=dtype).tobytes()
                            for leaf, dtype in zip(leaves, self._dtypes))
@@ -82,6 +92,8 @@ class IngestLog:
         if self._file is None:
             self.rotate(inserted_before)
         self._file.write(record)  # one write: a crash leaves it whole or torn, never interleaved
+        if self.fsync:
+            os.fsync(self._file.fileno())
         self.appended_bytes += len(record)
 
     def replay(self, start: int) -> Iterator[tuple[int, object, int]]:
