@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 FORBIDDEN = ("torch", "ray", "ray.rllib", "tensorflow")
 
 
@@ -31,6 +33,41 @@ def test_the_cli_answers_help_and_argument_errors_without_jax():
     assert errors[:-1] == ["conduit plan: error: argument --spec: leaf 'obs': expected a shape like 84x84x4 (positive "
                            "ints joined by x), got '8x' (see conduit plan --help)"]
     assert "--schedule" in result.stdout  # the demo's help was printed
+
+
+@pytest.mark.parametrize("args, flag", [
+    (["--reserve=-5GB"], "--reserve"),
+    (["--host-reserve=-1GB"], "--host-reserve"),
+    (["--reserve", "infGB"], "--reserve"),
+    (["--reserve", "nanGB"], "--reserve"),
+    (["--ingest-rate", "inf"], "--ingest-rate"),
+    (["--ingest-rate", "nan"], "--ingest-rate"),
+    (["--step-time", "-1"], "--step-time"),
+    (["--batch-size", "0"], "--batch-size"),
+    (["--batches-per-step", "0"], "--batches-per-step"),
+    (["--window", "0"], "--window"),
+    (["--learners", "0"], "--learners"),
+    (["--capacity", "0"], "--capacity"),
+    (["--topology", "{file}"], "--topology"),
+    (["--topology", "{dir}"], "--topology"),
+    (["--topology", "bogus"], "--topology"),
+    (["--topology", "emulated_cpu:abc"], "--topology"),
+    (["--topology", "cluster:2:dgx_h100:nan"], "--topology"),
+])
+def test_plan_flag_errors_are_one_line_naming_the_flag(args, flag, tmp_path, capsys):
+    """A value that cannot work (negative, infinite, NaN, not a topology) is refused while parsing, as argparse
+    refuses a malformed one: exit status 2, one line naming the flag."""
+    from conduit_jax import cli
+
+    (tmp_path / "hostname").write_text("myhost\n")
+    args = [a.format(file=tmp_path / "hostname", dir=tmp_path) for a in args]
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["plan", "--spec", "400", "--capacity", "64", "--topology", "emulated_cpu", *args])
+    assert exit_info.value.code == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"conduit plan: error: argument {flag}: "), captured.err
+    assert captured.out == ""
 
 
 def test_public_api_resolves():

@@ -1,7 +1,9 @@
 """Placement: topology presets and detection, the cost model, the capacity-constrained planner, applying a plan."""
 
+import collections
 import dataclasses
 import json
+import math
 import re
 from collections import defaultdict
 
@@ -13,10 +15,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conduit_jax import ExperienceDataPlane, samplers
-from conduit_jax.errors import ConduitError
+from conduit_jax.errors import ConduitError, ConfigError
 from conduit_jax.placement import (MEMORY_KINDS, Link, Placement, PlacementError, Plan, Topology, Workload,
                                    cli_main, cluster, dgx_h100, emulated_cpu, estimate, h200, part_bytes, part_of,
-                                   parse_spec, pcie_8gpu, plan)
+                                   parse_spec, pcie_8gpu, plan, with_part_in)
 from conduit_jax.placement.cost import staging_bytes
 from conduit_jax.placement.topology import CPU_TIMING, GB, GPU_TIMING, MB, US
 
@@ -370,7 +372,10 @@ def test_cli(capsys):
     assert data["format"] == "conduit-plan/1" and data["mesh"]["axis_names"] == ["node", "local"]
     assert cli_main(["--topology", "h200", "--spec", "28224", "--capacity", "100000000"]) == 2
     assert "short by" in capsys.readouterr().err
-    assert cli_main(["--topology", "nope", "--spec", "4", "--capacity", "8"]) == 2
+    with pytest.raises(SystemExit) as exit_info:  # an unknown topology is refused while parsing
+        cli_main(["--topology", "nope", "--spec", "4", "--capacity", "8"])
+    assert exit_info.value.code == 2
+    assert "argument --topology: 'nope': neither a preset" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("text, names", [
@@ -380,6 +385,10 @@ def test_cli(capsys):
     ("obs", "expected name:dtype[:shape]"),
     ('{"obs": 3}', "expected a JSON object"),
     ("@/no/such/spec.json", "cannot read '/no/such/spec.json'"),
+    ("obs:uint8:\u00b2", "expected a shape like 84x84x4"),  # '²'.isdigit() is True, int('²') fails
+    ("\u00b2", "expected name:dtype[:shape]"),
+    ("a:int32,a:float32", "leaf names must be unique, got 'a' more than once"),
+    ('{"a": [[2], "int32"], "a": [[3], "int32"]}', "leaf names must be unique, got 'a' more than once"),
 ])
 def test_a_malformed_spec_names_the_flag_and_the_fault(text, names):
     with pytest.raises(PlacementError, match=r"^--spec: .*" + re.escape(names)):
@@ -387,3 +396,134 @@ def test_a_malformed_spec_names_the_flag_and_the_fault(text, names):
     with pytest.raises(SystemExit) as exit_info:  # argparse refuses it while parsing: nothing heavy has run
         cli_main(["--spec", text, "--capacity", "8"])
     assert exit_info.value.code == 2
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# bad input: every entry point refuses it with a ConfigError naming the argument
+# ------------------------------------------------------------------------------------------------------------------
+def test_placement_errors_are_config_errors():
+    assert issubclass(PlacementError, ConfigError) and issubclass(PlacementError, ConduitError)
+
+
+@pytest.mark.parametrize("fields, name", [
+    (dict(learner_devices=("a",)), "learner_devices"),
+    (dict(learner_devices=5), "learner_devices"),
+    (dict(learner_devices=(1.5,)), "learner_devices"),
+    (dict(learner_devices=(-1,)), "learner_devices"),
+    (dict(learner_devices=(0, 0)), "learner_devices has duplicates"),
+    (dict(producer_nodes=("x",)), "producer_nodes"),
+    (dict(producer_nodes=3), "producer_nodes"),
+    (dict(ingest_rate=math.inf), "ingest_rate must be a finite number >= 0, got inf"),
+    (dict(ingest_rate=math.nan), "ingest_rate"),
+    (dict(step_time=math.inf), "step_time"),
+    (dict(device_reserve=math.inf), "device_reserve"),
+    (dict(host_reserve=math.nan), "host_reserve"),
+    (dict(prefetch=math.inf), "prefetch must be an int >= 0"),
+    (dict(prefetch=1.5), "prefetch"),
+    (dict(prefetch=-1), "prefetch"),
+    (dict(times_sampled="no"), "times_sampled must be a bool"),
+    (dict(local_draws=1), "local_draws"),
+    (dict(sampler=["uniform"]), "sampler"),
+])
+def test_workload_refuses_bad_fields(fields, name):
+    with pytest.raises(ConfigError, match=r"^Workload: .*" + re.escape(name)):
+        Workload(batch_size=8, **fields)
+
+
+def test_workload_takes_id_sequences():
+    work = Workload(learner_devices=[np.int64(1), 2], producer_nodes=range(2))
+    assert work.learner_devices == (1, 2) and work.producer_nodes == (0, 1)
+    assert Workload.from_dict(json.loads(json.dumps(work.to_dict()))) == work
+
+
+def test_plan_and_estimate_refuse_unknown_producer_nodes():
+    work = Workload(batch_size=8, producer_nodes=(99,), ingest_rate=1e4)
+    with pytest.raises(ConfigError, match=r"^plan\(\): Workload.producer_nodes \[99\] .*its nodes are \[0\]"):
+        plan(SPEC, 64, emulated_cpu(8), work)
+    with pytest.raises(ConfigError, match=r"^estimate\(\): Workload.producer_nodes"):
+        estimate(emulated_cpu(8), work, Placement((0,), (1,), ("shard",)), ROW, 64)
+    assert plan(SPEC, 64, cluster(2, "h200", 100), dataclasses.replace(work, producer_nodes=(1,))).num_shards >= 1
+
+
+@pytest.mark.parametrize("make, name", [
+    (lambda: emulated_cpu(2.5), "emulated_cpu(): devices must be an int >= 1, got 2.5"),
+    (lambda: emulated_cpu(0), "emulated_cpu(): devices"),
+    (lambda: emulated_cpu(True), "emulated_cpu(): devices"),
+    (lambda: emulated_cpu(8, host_memory=-1), "emulated_cpu(): host_memory must be a finite number of bytes >= 1"),
+    (lambda: emulated_cpu(8, host_memory=math.inf), "emulated_cpu(): host_memory"),
+    (lambda: emulated_cpu(8, host_memory="1GB"), "emulated_cpu(): host_memory"),
+    (lambda: emulated_cpu(8, device_memory=0), "emulated_cpu(): device_memory"),
+    (lambda: emulated_cpu(8, pinned_limit=-1), "emulated_cpu(): pinned_limit"),
+    (lambda: h200(host_memory=-1), "h200(): host_memory"),
+    (lambda: h200(host_memory=math.nan), "h200(): host_memory"),
+    (lambda: cluster(2, network_gbps=math.nan), "cluster(): network_gbps"),
+    (lambda: cluster(2, network_gbps="x"), "cluster(): network_gbps"),
+    (lambda: cluster(2, network_gbps=0), "cluster(): network_gbps"),
+    (lambda: cluster(2, network_gbps=math.inf), "cluster(): network_gbps"),
+    (lambda: cluster(1.5), "cluster(): nodes"),
+    (lambda: cluster(2, node_preset=None), "cluster(): node_preset"),
+])
+def test_presets_refuse_bad_sizes(make, name):
+    with pytest.raises(ConfigError, match="^" + re.escape(name)):
+        make()
+
+
+@pytest.mark.parametrize("edit, name", [
+    (lambda d: d["memories"]["capacity"].__setitem__(0, -1), "memory 'n0/d0/device': capacity"),
+    (lambda d: d["memories"]["bandwidth"].__setitem__(0, 0.0), "memory 'n0/d0/device': bandwidth"),
+    (lambda d: d["pools"][0].__setitem__(1, -5), "pool 'n0/dram': capacity"),
+    (lambda d: d["links"][1].__setitem__("bandwidth", math.nan), "link 'peer': bandwidth"),
+    (lambda d: d["timing"].__setitem__("write_bandwidth", 0.0), "timing: write_bandwidth"),
+])
+def test_a_topology_refuses_figures_that_price_at_inf_or_nan(edit, name):
+    data = emulated_cpu(2).to_dict()
+    edit(data)
+    with pytest.raises(ConfigError, match=r"^Topology 'emulated_cpu:2': " + re.escape(name)):
+        Topology.from_dict(data)
+
+
+@pytest.mark.parametrize("load, name", [
+    (lambda tmp: Topology.load(123), "Topology.load(): preset_or_path must be a preset name or the path"),
+    (lambda tmp: Topology.load(str(tmp / "hostname")), "hostname'): not a topology JSON file (not JSON"),
+    (lambda tmp: Topology.load(str(tmp)), "'): a directory, not a preset or a topology JSON file"),
+    (lambda tmp: Topology.load(str(tmp / "list.json")), "list.json'): expected a JSON object"),
+    (lambda tmp: Topology.load("bogus"), "Topology.load('bogus'): neither a preset"),
+    (lambda tmp: Topology.from_json("not json"), "Topology.from_json(): malformed topology: not JSON"),
+    (lambda tmp: Topology.from_json("[]"), "Topology.from_json(): expected a JSON object"),
+    (lambda tmp: Topology.from_json(None), "Topology.from_json(): text must be a JSON string"),
+    (lambda tmp: Plan.from_json("not json"), "Plan.from_json(): malformed plan: not JSON"),
+    (lambda tmp: Plan.from_json("[]"), "Plan.from_json(): expected a JSON object"),
+])
+def test_loading_refuses_what_is_not_a_topology_or_a_plan(load, name, tmp_path):
+    (tmp_path / "hostname").write_text("myhost\n")
+    (tmp_path / "list.json").write_text("[]")
+    with pytest.raises(ConfigError, match=re.escape(name)):
+        load(tmp_path)
+
+
+@pytest.mark.parametrize("devices", ["x", 5, ["x"]])
+def test_plan_mesh_refuses_devices_that_are_not_devices(devices):
+    result = plan(SPEC, 64, emulated_cpu(1), Workload(batch_size=8))
+    with pytest.raises(ConfigError, match=r"^Plan.mesh\(\): devices must be a sequence of jax.Device"):
+        result.mesh(devices=devices)
+    assert result.mesh(devices=jax.devices()[:1]).devices.flat[0] == jax.devices()[0]
+
+
+_Shardings = collections.namedtuple("_Shardings", "rows cursor")
+
+
+@pytest.mark.parametrize("part, kind, name", [
+    ("bogus", "device", "with_part_in(): part must be one of ('storage', 'index', 'control'), got 'bogus'"),
+    ("strorage", "device", "part must be one of"),
+    ("storage", "bogus_kind", "with_part_in(): memory_kind must be one of ('device', 'pinned_host', "
+                              "'unpinned_host'), got 'bogus_kind'"),
+])
+def test_with_part_in_refuses_unknown_parts_and_kinds(part, kind, name):
+    mesh = jax.make_mesh((1,), ("shard",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:1])
+    shardings = _Shardings(*(jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()) for _ in range(2)))
+    with pytest.raises(ConfigError, match=re.escape(name)):
+        with_part_in(shardings, part, kind)
+    with pytest.raises(ConfigError, match=r"shardings must be a pytree of jax.sharding.NamedSharding"):
+        with_part_in(["x"], "storage", "device")
+    moved = with_part_in(shardings, "storage", "pinned_host")
+    assert moved.rows.memory_kind == "pinned_host" and moved.cursor == shardings.cursor

@@ -30,7 +30,7 @@ import math
 from collections import Counter
 from typing import Optional
 
-from conduit_jax.placement.topology import MEMORY_KINDS, PlacementError, Topology
+from conduit_jax.placement.topology import MEMORY_KINDS, PlacementError, Topology, id_ranges
 
 SAMPLERS = ("uniform", "prioritized", "fifo", "epochs", "sequences")
 PRIORITY_SAMPLERS = ("prioritized", "sequences")
@@ -81,21 +81,32 @@ class Workload:
     local_draws: bool = False
 
     def __post_init__(self):
-        object.__setattr__(self, "learner_devices", tuple(int(d) for d in self.learner_devices))
-        object.__setattr__(self, "producer_nodes", tuple(int(n) for n in self.producer_nodes))
         problems = []
+        for name, what in (("learner_devices", "device ids"), ("producer_nodes", "node ids")):
+            value = getattr(self, name)
+            ids = _ids(value)
+            if ids is None:
+                problems.append(f"{name} must be a sequence of {what} (ints >= 0), got {value!r}")
+            else:
+                object.__setattr__(self, name, ids)
+                if name == "learner_devices" and len(set(ids)) != len(ids):
+                    problems.append(f"learner_devices has duplicates: {ids}")
         for name in ("batch_size", "batches_per_step", "window"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 problems.append(f"{name} must be an int >= 1, got {value!r}")
-        for name in ("ingest_rate", "step_time", "device_reserve", "host_reserve", "prefetch"):
+        if not isinstance(self.prefetch, int) or isinstance(self.prefetch, bool) or self.prefetch < 0:
+            problems.append(f"prefetch must be an int >= 0 (batches), got {self.prefetch!r}")
+        for name in ("ingest_rate", "step_time", "device_reserve", "host_reserve"):
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 0:
-                problems.append(f"{name} must be a number >= 0, got {value!r}")
-        if self.sampler not in SAMPLERS:
+            # NaN fails every comparison, inf prices the ingest at inf: both are refused
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < math.inf:
+                problems.append(f"{name} must be a finite number >= 0, got {value!r}")
+        if not isinstance(self.sampler, str) or self.sampler not in SAMPLERS:
             problems.append(f"sampler must be one of {SAMPLERS}, got {self.sampler!r}")
-        if len(set(self.learner_devices)) != len(self.learner_devices):
-            problems.append(f"learner_devices has duplicates: {self.learner_devices}")
+        for name in ("times_sampled", "local_draws"):
+            if not isinstance(getattr(self, name), bool):
+                problems.append(f"{name} must be a bool, got {getattr(self, name)!r}")
         if problems:
             raise PlacementError("Workload: " + "; ".join(problems))
 
@@ -109,6 +120,28 @@ class Workload:
     def from_dict(cls, d: dict) -> "Workload":
         return cls(**{**d, "learner_devices": tuple(d.get("learner_devices", ())),
                       "producer_nodes": tuple(d.get("producer_nodes", ()))})
+
+
+def _ids(value) -> Optional[tuple[int, ...]]:
+    """A sequence of ids (ints >= 0, NumPy ints too) as a tuple, or None when it is not one."""
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+        return None
+    out = []
+    for x in value:
+        if isinstance(x, bool) or not hasattr(x, "__index__") or x.__index__() < 0:
+            return None
+        out.append(x.__index__())
+    return tuple(out)
+
+
+def check_producer_nodes(topology: Topology, workload: Workload, where: str) -> None:
+    """Every producer node is a node of ``topology`` (an unknown one would be priced as a remote node)."""
+    nodes = set(topology.nodes)
+    unknown = [n for n in workload.producer_nodes if n not in nodes]
+    if unknown:
+        raise PlacementError(f"{where}: Workload.producer_nodes {list(workload.producer_nodes)} names nodes "
+                             f"{unknown[:8]} that topology {topology.name!r} does not have; its nodes are "
+                             f"{id_ranges(topology.nodes)}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -246,6 +279,8 @@ def estimate(topology: Topology, workload: Workload, placement: Placement, row_b
              shards: Optional[_Shards] = None) -> Costs:
     """Predicted ``Costs`` of one learner iteration for ``placement`` (see the module docstring for the terms)."""
     learners = workload.learner_devices or tuple(d.id for d in topology.devices)
+    if shards is None:  # a direct call (the planner checks once and passes its shard stats)
+        check_producer_nodes(topology, workload, "estimate()")
     st = shards or shard_stats(topology, placement.device_ids, learners)
     t = topology.timing
     s = st.count

@@ -103,7 +103,17 @@ class Plan:
         import numpy as np
         from jax.sharding import AxisType, Mesh
 
-        pool = list(jax.devices() if devices is None else devices)
+        if devices is None:
+            pool = list(jax.devices())
+        else:
+            if isinstance(devices, (str, bytes)) or not hasattr(devices, "__iter__"):
+                raise PlacementError(f"Plan.mesh(): devices must be a sequence of jax.Device (e.g. jax.devices()), "
+                                     f"got {type(devices).__name__} {devices!r}")
+            pool = list(devices)
+            wrong = [d for d in pool if not isinstance(d, jax.Device)]
+            if wrong:
+                raise PlacementError(f"Plan.mesh(): devices must be a sequence of jax.Device (e.g. jax.devices()), "
+                                     f"got {type(wrong[0]).__name__} {wrong[0]!r} among them")
         by_id = {d.id: d for d in pool}
         missing = [i for i in self.device_ids if i not in by_id]
         if missing:
@@ -185,6 +195,9 @@ class Plan:
 
     @classmethod
     def from_dict(cls, d: dict) -> "Plan":
+        if not isinstance(d, dict):
+            raise PlacementError(f"Plan.from_json(): expected a JSON object with format {PLAN_FORMAT!r}, got "
+                                 f"{type(d).__name__}")
         if d.get("format") != PLAN_FORMAT:
             raise PlacementError(f"Plan.from_json(): format must be {PLAN_FORMAT!r}, got {d.get('format')!r}")
         try:
@@ -202,12 +215,20 @@ class Plan:
                        reasons=tuple((a, b, c) for a, b, c in d["reasons"]),
                        alternatives=tuple((a, float(b)) for a, b in d.get("alternatives", ())),
                        considered=int(d.get("considered", 0)), feasible=int(d.get("feasible", 0)))
-        except (KeyError, TypeError, ValueError) as exc:
+        except PlacementError as exc:
+            raise PlacementError(f"Plan.from_json(): malformed plan: {exc}") from None
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise PlacementError(f"Plan.from_json(): malformed plan ({type(exc).__name__}: {exc})") from None
 
     @classmethod
     def from_json(cls, text: str) -> "Plan":
-        return cls.from_dict(json.loads(text))
+        if not isinstance(text, (str, bytes, bytearray)):
+            raise PlacementError(f"Plan.from_json(): text must be a JSON string, got {type(text).__name__}")
+        try:
+            data = json.loads(text)
+        except ValueError as exc:  # JSONDecodeError, or bytes that are not UTF-8
+            raise PlacementError(f"Plan.from_json(): malformed plan: not JSON ({exc})") from None
+        return cls.from_dict(data)
 
     # -- explain -------------------------------------------------------------------------------------------------
     def explain(self) -> str:
@@ -275,8 +296,27 @@ def with_part_in(shardings, part: str, memory_kind: str):
     the index in device memory, for ``plane.place``."""
     import jax
 
-    return jax.tree_util.tree_map_with_path(
-        lambda path, s: s.with_memory_kind(memory_kind) if part_of(path, s) == part else s, shardings)
+    if not isinstance(part, str) or part not in PARTS:
+        raise PlacementError(f"with_part_in(): part must be one of {PARTS}, got {part!r}")
+    if not isinstance(memory_kind, str) or memory_kind not in MEMORY_KINDS:
+        raise PlacementError(f"with_part_in(): memory_kind must be one of {MEMORY_KINDS}, got {memory_kind!r}")
+    leaves = jax.tree_util.tree_leaves(shardings)
+    wrong = [s for s in leaves if not isinstance(s, jax.sharding.Sharding)]
+    if wrong or not leaves:
+        raise PlacementError(f"with_part_in(): shardings must be a pytree of jax.sharding.NamedSharding (e.g. "
+                             f"plane.shardings), got {type(wrong[0]).__name__ if wrong else 'no leaves'}")
+
+    def move(path, s):
+        if part_of(path, s) != part:
+            return s
+        try:
+            return s.with_memory_kind(memory_kind)
+        except ValueError:  # a kind these devices cannot address
+            kinds = sorted({m.kind for d in s.device_set for m in d.addressable_memories()})
+            raise PlacementError(f"with_part_in(): memory_kind {memory_kind!r} is not addressable by the "
+                                 f"shardings' devices ({jax.tree_util.keystr(path)}); they address {kinds}") from None
+
+    return jax.tree_util.tree_map_with_path(move, shardings)
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -342,6 +382,7 @@ class _Search:
         self.learners = workload.learner_devices or tuple(d.id for d in topology.devices)
         for i in self.learners:
             topology.device(i)  # raises with the list of devices
+        cost.check_producer_nodes(topology, workload, "plan()")
         self.learner_set = set(self.learners)
         self.kinds = topology.kinds
         # rings outside device memory are read in place by a host computation, which XLA runs over pinned host
@@ -706,6 +747,9 @@ def parse_spec(text: str):
 def spec_fields(text: str):
     """``parse_spec`` without JAX: the bytes (an int) or ``{name: (shape, dtype name)}``, every field checked (so a
     command line is refused before anything heavy is imported)."""
+    if not isinstance(text, str):
+        raise PlacementError(f"--spec: expected a string (item bytes, name:dtype[:shape],..., a JSON object or "
+                             f"@file.json), got {type(text).__name__} {text!r}")
     text = text.strip()
     if text.startswith("@"):
         try:
@@ -713,7 +757,7 @@ def spec_fields(text: str):
                 text = f.read().strip()
         except OSError as exc:
             raise PlacementError(f"--spec: cannot read {text[1:]!r}: {exc.strerror}") from None
-    if text.isdigit():
+    if _decimal(text):
         return int(text)
 
     def leaf(name, shape, dtype, what):
@@ -725,26 +769,42 @@ def spec_fields(text: str):
             raise PlacementError(f"--spec: {what}: the shape must be positive ints, got {list(shape)!r}")
         return name, (tuple(shape), dtype)
 
+    def unique(pairs):
+        names = [name for name, _ in pairs]
+        twice = sorted({name for name in names if names.count(name) > 1})
+        if twice:
+            raise PlacementError(f"--spec: leaf names must be unique, got {', '.join(map(repr, twice))} more than "
+                                 f"once")
+        return dict(pairs)
+
     if text.startswith("{"):
         try:
-            data = json.loads(text)
-            return dict(leaf(name, list(shape), dtype, f"leaf {name!r}") for name, (shape, dtype) in data.items())
+            data = json.loads(text, object_pairs_hook=lambda pairs: pairs)  # pairs: a repeated name is refused
+            if not isinstance(data, list):
+                raise TypeError(f"got {type(data).__name__}")
+            return unique([leaf(name, list(shape), dtype, f"leaf {name!r}") for name, (shape, dtype) in data])
+        except PlacementError:
+            raise
         except (ValueError, TypeError, AttributeError) as exc:
             raise PlacementError(f'--spec: expected a JSON object {{"name": [[shape...], "dtype"], ...}}: '
                                  f"{exc}") from None
-    leaves = {}
+    leaves = []
     for item in text.split(","):
         fields = item.strip().split(":")
         if len(fields) not in (2, 3) or not fields[0]:
             raise PlacementError(f"--spec: expected name:dtype[:shape] (e.g. obs:uint8:84x84x4), a byte count or a "
                                  f"JSON object, got {item.strip()!r}")
         dims = fields[2].split("x") if len(fields) == 3 and fields[2] else []
-        if not all(d.isdigit() for d in dims):
+        if not all(_decimal(d) for d in dims):
             raise PlacementError(f"--spec: leaf {fields[0]!r}: expected a shape like 84x84x4 (positive ints joined "
                                  f"by x), got {fields[2]!r}")
-        name, value = leaf(fields[0], [int(d) for d in dims], fields[1], f"leaf {fields[0]!r}")
-        leaves[name] = value
-    return leaves
+        leaves.append(leaf(fields[0], [int(d) for d in dims], fields[1], f"leaf {fields[0]!r}"))
+    return unique(leaves)
+
+
+def _decimal(text: str) -> bool:
+    """ASCII digits only: ``str.isdigit`` also accepts '²' and other digits ``int`` refuses."""
+    return text.isascii() and text.isdigit()
 
 
 def _spec_argument(text: str) -> str:
@@ -757,34 +817,76 @@ def _spec_argument(text: str) -> str:
 
 
 def _size(text: str) -> int:
+    """argparse ``type`` of a memory size (``--reserve``, ``--host-reserve``): bytes >= 0, with a unit or not."""
     units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20,
              "GIB": 2**30, "TIB": 2**40}
     t = text.strip().upper()
     num = t.rstrip("KMGTIB")
     unit = t[len(num):]
-    if unit not in units:
-        raise argparse.ArgumentTypeError(f"expected a size like 10GB or 512MiB, got {text!r}")
-    return int(float(num) * units[unit])
+    try:
+        value = float(num) * units[unit]
+    except (KeyError, ValueError):
+        raise argparse.ArgumentTypeError(f"expected a size like 10GB or 512MiB, got {text!r}") from None
+    if not 0 <= value < math.inf:  # NaN fails it too
+        raise argparse.ArgumentTypeError(f"expected a finite size >= 0 like 10GB or 512MiB, got {text!r}")
+    return int(value)
+
+
+def _count(text: str) -> int:
+    """argparse ``type`` of a count (``--capacity``, ``--batch-size``, ...): an int >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _non_negative(text: str) -> float:
+    """argparse ``type`` of a rate or a time (``--ingest-rate``, ``--step-time``): a finite number >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 <= value < math.inf:
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
+    return value
+
+
+def _topology_argument(text: str):
+    """argparse ``type`` of ``--topology``: a preset or a JSON file is loaded while parsing (cheap, and a bad one is
+    one line naming the flag); ``detect`` is kept as text and probed when the command runs."""
+    if text.strip() == "detect":
+        return text
+    try:
+        return Topology.load(text)
+    except PlacementError as exc:
+        prefix = f"Topology.load({text.strip()!r}): "
+        message = str(exc)
+        raise argparse.ArgumentTypeError(f"{text.strip()!r}: {message.removeprefix(prefix)}"
+                                         if message.startswith(prefix) else message) from None
 
 
 def build_parser(parser: Optional[argparse.ArgumentParser] = None) -> argparse.ArgumentParser:
     parser = parser or argparse.ArgumentParser(prog="conduit plan",
                                                description="plan where the experience plane's state lives")
-    parser.add_argument("--topology", default="detect",
+    parser.add_argument("--topology", default="detect", type=_topology_argument,
                         help="a preset (emulated_cpu[:DEVICES], h200, dgx_h100, pcie_8gpu, "
                              "cluster[:NODES[:NODE_PRESET[:GBPS]]]), 'detect' (default: this machine), or a "
                              "topology JSON file")
     parser.add_argument("--spec", required=True, type=_spec_argument,
                         help="item bytes (400), name:dtype[:shape],... (obs:uint8:84x84x4,act:int32), a JSON object "
                              "or @file.json")
-    parser.add_argument("--capacity", type=int, required=True, help="items the plane holds")
-    parser.add_argument("--batch-size", type=int, default=256, help="items per delivered batch (default 256)")
-    parser.add_argument("--batches-per-step", type=int, default=1)
+    parser.add_argument("--capacity", type=_count, required=True, help="items the plane holds")
+    parser.add_argument("--batch-size", type=_count, default=256, help="items per delivered batch (default 256)")
+    parser.add_argument("--batches-per-step", type=_count, default=1)
     parser.add_argument("--sampler", default="uniform", choices=cost.SAMPLERS)
-    parser.add_argument("--window", type=int, default=1, help="steps per sequence (sequences sampler)")
-    parser.add_argument("--ingest-rate", type=float, default=0.0, help="items/s from all producers")
-    parser.add_argument("--step-time", type=float, default=0.01, help="learner compute per step in s (default 0.01)")
-    parser.add_argument("--learners", type=int, default=None, help="learner devices: the first N (default: all)")
+    parser.add_argument("--window", type=_count, default=1, help="steps per sequence (sequences sampler)")
+    parser.add_argument("--ingest-rate", type=_non_negative, default=0.0, help="items/s from all producers")
+    parser.add_argument("--step-time", type=_non_negative, default=0.01,
+                        help="learner compute per step in s (default 0.01)")
+    parser.add_argument("--learners", type=_count, default=None, help="learner devices: the first N (default: all)")
     parser.add_argument("--reserve", type=_size, default=0, help="memory each learner device keeps free (e.g. 40GB)")
     parser.add_argument("--host-reserve", type=_size, default=0, help="memory each node's DRAM keeps free")
     parser.add_argument("--local-draws", action="store_true",
@@ -795,7 +897,12 @@ def build_parser(parser: Optional[argparse.ArgumentParser] = None) -> argparse.A
 
 def run_cli(args: argparse.Namespace) -> int:
     try:
-        topology = Topology.load(args.topology)
+        from conduit_jax.functional import MAX_CAPACITY
+
+        if args.capacity > MAX_CAPACITY:
+            raise PlacementError(f"--capacity must be at most {MAX_CAPACITY:,} (a plane's row ids are int32), got "
+                                 f"{args.capacity:,}")
+        topology = args.topology if isinstance(args.topology, Topology) else Topology.load(args.topology)
         spec = parse_spec(args.spec)
         learners = ()
         if args.learners is not None:

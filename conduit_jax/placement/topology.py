@@ -23,12 +23,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import numbers
 import os
 import time
 from typing import Iterator, Optional
 
 from conduit_jax import memory
-from conduit_jax.errors import ConduitError
+from conduit_jax.errors import ConfigError
 
 MEMORY_KINDS = ("device", "pinned_host", "unpinned_host")
 LINK_CLASSES = ("local", "peer", "host_pinned", "host_pageable", "network")
@@ -38,9 +40,42 @@ GiB = 1 << 30
 US, NS = 1e-6, 1e-9
 
 
-class PlacementError(ConduitError):
+class PlacementError(ConfigError):
     """A placement request cannot be met (capacity, topology or workload), or a plan does not match the devices it is
-    applied to. The message names the constraint, by how much it fails, and what would fit."""
+    applied to. The message names the constraint, by how much it fails, and what would fit. A ``ConfigError``: bad
+    arguments of the placement functions (a preset's sizes, a workload's fields, a topology file) raise it too."""
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def check_int(where: str, name: str, value, minimum: int = 1) -> int:
+    """``value`` as an int >= ``minimum`` (a Python or NumPy int, not a bool or a float), else a PlacementError."""
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        raise PlacementError(f"{where}: {name} must be an int >= {minimum}, got {value!r}")
+    value = value.__index__()
+    if value < minimum:
+        raise PlacementError(f"{where}: {name} must be an int >= {minimum}, got {value}")
+    return value
+
+
+def check_bytes(where: str, name: str, value, minimum: int = 1) -> int:
+    """A memory size: an int or a finite number of bytes >= ``minimum``, as an int."""
+    if hasattr(value, "__index__") and not isinstance(value, bool):
+        value = value.__index__()
+    if not _is_number(value) or not math.isfinite(value) or value < minimum:
+        raise PlacementError(f"{where}: {name} must be a finite number of bytes >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def check_rate(where: str, name: str, value, minimum: float = 0.0, strict: bool = True) -> float:
+    """A bandwidth or time: a finite number > ``minimum`` (>= when not ``strict``)."""
+    ok = _is_number(value) and math.isfinite(value) and (value > minimum if strict else value >= minimum)
+    if not ok:
+        raise PlacementError(f"{where}: {name} must be a finite number {'>' if strict else '>='} {minimum:g}, got "
+                             f"{value!r}")
+    return float(value)
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -153,6 +188,27 @@ class Topology:
         missing = [d.id for d in self.devices if d.id not in self._device_memory]
         if missing:
             raise PlacementError(f"Topology {self.name!r}: devices {missing[:8]} have no 'device' memory")
+        # the figures the cost model divides by or adds up: a zero, negative or non-finite one would price a plan at
+        # inf or NaN, or let it use memory that does not exist
+        where = f"Topology {self.name!r}"
+        for mem in self.memories:
+            check_bytes(f"{where}: memory {mem.name!r}", "capacity", mem.capacity, minimum=0)
+            check_rate(f"{where}: memory {mem.name!r}", "bandwidth", mem.bandwidth)
+            check_rate(f"{where}: memory {mem.name!r}", "row_time", mem.row_time, strict=False)
+        for pool, capacity in self.pools:
+            check_bytes(f"{where}: pool {pool!r}", "capacity", capacity, minimum=0)
+        for link in self.links:
+            check_rate(f"{where}: link {link.name!r}", "bandwidth", link.bandwidth)
+            check_rate(f"{where}: link {link.name!r}", "latency", link.latency, strict=False)
+            check_rate(f"{where}: link {link.name!r}", "aggregate", link.aggregate, strict=False)
+        for field in dataclasses.fields(Timing):
+            value = getattr(self.timing, field.name)
+            if field.name == "write_bandwidth":
+                check_rate(f"{where}: timing", field.name, value)
+            elif field.name in ("cores", "cache_bytes"):
+                check_int(f"{where}: timing", field.name, value, minimum=0)
+            else:
+                check_rate(f"{where}: timing", field.name, value, strict=False)
 
     # -- lookups -------------------------------------------------------------------------------------------------
     @property
@@ -170,7 +226,7 @@ class Topology:
             return self._device_by_id[device_id]
         except KeyError:
             raise PlacementError(f"Topology {self.name!r} has no device {device_id}; its devices are "
-                                 f"{_id_ranges([d.id for d in self.devices])}") from None
+                                 f"{id_ranges([d.id for d in self.devices])}") from None
 
     def memory(self, device_id: int, kind: str) -> Optional[MemorySpace]:
         """The memory of ``kind`` that ``device_id`` addresses: its own device memory, or its node's host memory."""
@@ -219,6 +275,9 @@ class Topology:
 
     @classmethod
     def from_dict(cls, data: dict) -> "Topology":
+        if not isinstance(data, dict):
+            raise PlacementError(f"Topology.from_json(): expected a JSON object with format 'conduit-topology/1', "
+                                 f"got {type(data).__name__}")
         if data.get("format") != "conduit-topology/1":
             raise PlacementError(f"Topology.from_json(): format must be 'conduit-topology/1', got "
                                  f"{data.get('format')!r}")
@@ -236,12 +295,20 @@ class Topology:
                 memories=rows(data["memories"], MemorySpace),
                 probe=tuple((str(k), float(v)) for k, v in data.get("probe", ())),
             )
-        except (KeyError, TypeError) as exc:
+        except PlacementError:
+            raise
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise PlacementError(f"Topology.from_json(): malformed topology ({type(exc).__name__}: {exc})") from None
 
     @classmethod
     def from_json(cls, text: str) -> "Topology":
-        return cls.from_dict(json.loads(text))
+        if not isinstance(text, (str, bytes, bytearray)):
+            raise PlacementError(f"Topology.from_json(): text must be a JSON string, got {type(text).__name__}")
+        try:
+            data = json.loads(text)
+        except ValueError as exc:  # JSONDecodeError, or bytes that are not UTF-8
+            raise PlacementError(f"Topology.from_json(): malformed topology: not JSON ({exc})") from None
+        return cls.from_dict(data)
 
     def save(self, path: str) -> None:
         with open(path, "w") as f:
@@ -250,19 +317,36 @@ class Topology:
     @classmethod
     def load(cls, preset_or_path: str) -> "Topology":
         """A preset name (see ``PRESETS``; ``cluster:NODES[:NODE_PRESET[:GBPS]]``), ``detect``, or a JSON file."""
-        name = preset_or_path.strip()
+        if not isinstance(preset_or_path, (str, os.PathLike)):
+            raise PlacementError(f"Topology.load(): preset_or_path must be a preset name or the path of a topology "
+                                 f"JSON file, got {type(preset_or_path).__name__} {preset_or_path!r}")
+        name = os.fspath(preset_or_path).strip()
         if name == "detect":
             return cls.detect()
         head, *args = name.split(":")
         if head in PRESETS:
             try:
                 return PRESETS[head](*(_preset_arg(a) for a in args))
-            except TypeError as exc:
+            except (TypeError, PlacementError) as exc:  # too many arguments, or values the preset refuses
                 raise PlacementError(f"Topology.load({name!r}): bad preset arguments ({exc})") from None
+        if os.path.isdir(name):
+            raise PlacementError(f"Topology.load({name!r}): a directory, not a preset or a topology JSON file")
         if os.path.exists(name):
-            with open(name) as f:
-                return cls.from_json(f.read())
-        raise PlacementError(f"Topology.load(): {name!r} is neither a preset ({', '.join(PRESETS)}, detect) nor a "
+            try:
+                with open(name, "rb") as f:
+                    text = f.read()
+            except OSError as exc:
+                raise PlacementError(f"Topology.load({name!r}): cannot read the file: {exc.strerror}") from None
+            try:
+                data = json.loads(text)
+            except ValueError as exc:
+                raise PlacementError(f"Topology.load({name!r}): not a topology JSON file (not JSON: {exc})") from None
+            try:
+                return cls.from_dict(data)
+            except PlacementError as exc:
+                raise PlacementError(f"Topology.load({name!r}): "
+                                     f"{str(exc).removeprefix('Topology.from_json(): ')}") from None
+        raise PlacementError(f"Topology.load({name!r}): neither a preset ({', '.join(PRESETS)}, detect) nor a "
                              f"JSON file")
 
     # -- construction -------------------------------------------------------------------------------------------
@@ -273,9 +357,17 @@ class Topology:
                       links: dict[str, Link], timing: Timing, device_in_host_pool: bool = False,
                       processes_per_node: int = 1, source: str = "") -> "Topology":
         """Identical nodes of identical devices (every preset; also the random topologies of the tests)."""
-        if nodes < 1 or devices_per_node < 1:
-            raise PlacementError(f"Topology {name!r}: nodes and devices_per_node must be >= 1, got {nodes}, "
-                                 f"{devices_per_node}")
+        where = f"Topology {name!r}"
+        nodes = check_int(where, "nodes", nodes)
+        devices_per_node = check_int(where, "devices_per_node", devices_per_node)
+        processes_per_node = check_int(where, "processes_per_node", processes_per_node)
+        device_memory = check_bytes(where, "device_memory", device_memory)
+        host_memory = check_bytes(where, "host_memory", host_memory)
+        pinned_limit = check_bytes(where, "pinned_limit", pinned_limit, minimum=0)
+        for arg, value in (("device_bandwidth", device_bandwidth), ("host_bandwidth", host_bandwidth)):
+            check_rate(where, arg, value)
+        for arg, value in (("device_row_time", device_row_time), ("host_row_time", host_row_time)):
+            check_rate(where, arg, value, strict=False)
         devices, memories, pools = [], [], []
         per_process = max(1, devices_per_node // max(1, processes_per_node))
         for node in range(nodes):
@@ -317,7 +409,8 @@ def _preset_arg(text: str):
             return text
 
 
-def _id_ranges(ids) -> str:
+def id_ranges(ids) -> str:
+    """The ids as a short text: a range (0..7) when they are consecutive, else the list."""
     ids = sorted(ids)
     if len(ids) > 4 and ids == list(range(ids[0], ids[-1] + 1)):
         return f"{ids[0]}..{ids[-1]}"
@@ -374,8 +467,13 @@ def emulated_cpu(devices: int = 8, *, host_memory: Optional[int] = None, device_
                  pinned_limit: Optional[int] = None) -> Topology:
     """The emulated CPU mesh this project tests on (``--xla_force_host_platform_device_count``): every memory kind is
     the host's DRAM, so one pool bounds them all. Host memory defaults to this machine's MemAvailable."""
-    _, avail = _meminfo()
-    host = int(host_memory if host_memory is not None else avail)
+    devices = check_int("emulated_cpu()", "devices", devices)
+    host = check_bytes("emulated_cpu()", "host_memory", host_memory) if host_memory is not None else \
+        int(_meminfo()[1])
+    if device_memory is not None:
+        device_memory = check_bytes("emulated_cpu()", "device_memory", device_memory)
+    if pinned_limit is not None:
+        pinned_limit = check_bytes("emulated_cpu()", "pinned_limit", pinned_limit, minimum=0)
     return Topology.uniform_nodes(
         f"emulated_cpu:{devices}", nodes=1, devices_per_node=devices, platform="cpu", model="cpu",
         device_memory=int(device_memory if device_memory is not None else host), device_bandwidth=CPU_MEMCPY,
@@ -413,6 +511,7 @@ def _gpu_row_time(bandwidth: float) -> float:
 def h200(host_memory: int = 512 * GiB) -> Topology:
     """One H200 in a PCIe Gen5 server. NVIDIA H200 datasheet: 141 GB HBM3e at 4.8 TB/s; PCIe Gen5 128 GB/s (both
     directions). Host memory is not part of the GPU's datasheet: 512 GiB is an assumption (pass another)."""
+    host_memory = check_bytes("h200()", "host_memory", host_memory)
     bw = 4.8 * TB
     return Topology.uniform_nodes(
         "h200", nodes=1, devices_per_node=1, platform="gpu", model="NVIDIA H200", device_memory=int(141 * GB),
@@ -465,12 +564,10 @@ def cluster(nodes: int = 128, node_preset: str = "dgx_h100", network_gbps: float
     """``nodes`` identical nodes (``node_preset``) joined by a fabric of ``network_gbps`` Gb/s per node (default: 8 x
     400 Gb/s InfiniBand NDR, one ConnectX-7 per GPU as in a DGX H100 SuperPOD), ~5 us RDMA latency. 128 x 8 = 1,024
     GPUs by default."""
-    if node_preset not in NODE_PRESETS:
+    if not isinstance(node_preset, str) or node_preset not in NODE_PRESETS:
         raise PlacementError(f"cluster(): node_preset must be one of {sorted(NODE_PRESETS)}, got {node_preset!r}")
-    if not isinstance(nodes, int) or nodes < 1:
-        raise PlacementError(f"cluster(): nodes must be a positive int, got {nodes!r}")
-    if network_gbps <= 0:
-        raise PlacementError(f"cluster(): network_gbps must be > 0, got {network_gbps}")
+    nodes = check_int("cluster()", "nodes", nodes)
+    network_gbps = check_rate("cluster()", "network_gbps (Gb/s per node)", network_gbps)
     node = NODE_PRESETS[node_preset]()
     per_node = len(node.devices)
     first = node.memories[0]
