@@ -528,6 +528,9 @@ def restore(directory, build, *, step: Optional[int] = None, mesh: Optional[Mesh
 
     directory = _directory(directory, "restore()")
     where = f"restore({directory})"
+    if timings is not None and not isinstance(timings, dict):
+        raise ConfigError(f"restore(): timings must be a dict (it receives each phase's seconds), got "
+                          f"{type(timings).__name__}")
     timings = {} if timings is None else timings
     start = phase = time.perf_counter()
     if not os.path.isdir(directory):
@@ -999,8 +1002,8 @@ def _schedule(meta, given, where):
     try:
         from conduit_jax import schedule as schedule_lib
         fields = {name: recorded[name] for name in schedule_lib.Schedule._fields if name in recorded}
-        return schedule_lib.Schedule(**fields)
-    except (ImportError, TypeError, KeyError) as exc:
+        return schedule_lib.rebuilt(schedule_lib.Schedule(**fields), where)
+    except (ImportError, TypeError, KeyError, ConfigError) as exc:
         raise CheckpointError(f"{where}: the recorded schedule {recorded!r} cannot be rebuilt ({exc}); pass "
                               f"schedule=") from None
 
@@ -1092,6 +1095,11 @@ def _directory(directory, where: str) -> str:
     if os.path.exists(path) and not os.path.isdir(path):
         raise CheckpointError(f"{where}: {path} is a file, not a directory; checkpoints go in a directory of "
                               f"their own (one numbered step per folder)")
+    parent = os.path.dirname(path)
+    while not os.path.exists(parent):  # the nearest existing ancestor must be a directory too
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise CheckpointError(f"{where}: {path} cannot be a directory: {parent} is a file")
     return path
 
 

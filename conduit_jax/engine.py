@@ -25,7 +25,7 @@ import dataclasses
 import functools
 import re
 import threading
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -202,6 +202,39 @@ def unpack_updates(updates):
 
 
 # ------------------------------------------------------------------------------------------------------------------
+# state checks
+# ------------------------------------------------------------------------------------------------------------------
+class StateTypes(NamedTuple):
+    """What a state of one configuration looks like: its structure and each leaf's (shape, dtype)."""
+
+    leaves: list
+    treedef: Any
+
+    @classmethod
+    def of(cls, config: ReplayConfig) -> "StateTypes":
+        abstract_leaves, treedef = jax.tree_util.tree_flatten(jax.eval_shape(functools.partial(replay.init, config, 0)))
+        return cls([(leaf.shape, leaf.dtype) for leaf in abstract_leaves], treedef)
+
+    def check(self, tree, where: str = "state") -> list:
+        """The leaves of ``tree``; ConfigError unless it is a state of this configuration (structure, shapes and
+        dtypes; works on tracers too). Cheap when it is (a fused loop passes the state on every step)."""
+        if not isinstance(tree, ReplayState):
+            raise ConfigError(f"{where}: state must be a ReplayState (from buffer.init() or plane.state), got "
+                              f"{type(tree).__name__}")
+        leaves, treedef = jax.tree_util.tree_flatten(tree)
+        if treedef != self.treedef:
+            raise ConfigError(f"{where}: expected a ReplayState of this buffer's configuration, {self.treedef}; got "
+                              f"{treedef} (a state of another sampler or spec?)")
+        for index, (leaf, (shape, dtype)) in enumerate(zip(leaves, self.leaves)):
+            if getattr(leaf, "shape", None) != shape or getattr(leaf, "dtype", None) != dtype:
+                path = jax.tree_util.keystr(jax.tree_util.tree_flatten_with_path(tree)[0][index][0])
+                raise ConfigError(f"{where}: leaf {path} must be {dtype}{list(shape)}, got "
+                                  f"{getattr(leaf, 'dtype', None)}{list(np.shape(leaf))} (a state of another "
+                                  f"capacity, spec, sampler or mesh?)")
+        return leaves
+
+
+# ------------------------------------------------------------------------------------------------------------------
 # the engine
 # ------------------------------------------------------------------------------------------------------------------
 class Engine:
@@ -215,8 +248,8 @@ class Engine:
         self.config, self.shardings = config, shardings
         self.abstract = abstract = jax.eval_shape(functools.partial(replay.init, config, 0))
         self.bundle = bundle = LeafBundle(abstract, shardings)
-        abstract_leaves, treedef = jax.tree_util.tree_flatten(abstract)
-        self._leaf_types = [(leaf.shape, leaf.dtype) for leaf in abstract_leaves], treedef  # what check_state wants
+        self.state_types = StateTypes.of(config)
+        self._devices = set(config.mesh.devices.flat)  # a device batch elsewhere is packed on the host
         self._leaf_shardings = jax.tree_util.tree_leaves(shardings)
         self._storage_large = bundle.count_large(len(jax.tree_util.tree_leaves(abstract.storage)))
         sampler = config.sampler
@@ -330,20 +363,16 @@ class Engine:
         self._tree = tree
 
     def check_state(self, tree, where: str = "state") -> list:
-        """The leaves of ``tree``; ConfigError unless it is a state of this configuration (structure, shapes and
-        dtypes). Cheap when it is (a fused loop assigns the state on every step)."""
-        leaves, treedef = jax.tree_util.tree_flatten(tree)
-        expected, want_treedef = self._leaf_types
-        if treedef != want_treedef:
-            raise ConfigError(f"{where}: expected a ReplayState of this buffer's configuration, {want_treedef}; got "
-                              f"{treedef}")
-        for index, (leaf, (shape, dtype)) in enumerate(zip(leaves, expected)):
-            if getattr(leaf, "shape", None) != shape or getattr(leaf, "dtype", None) != dtype:
-                path = jax.tree_util.keystr(jax.tree_util.tree_flatten_with_path(tree)[0][index][0])
-                raise ConfigError(f"{where}: leaf {path} must be {dtype}{list(shape)}, got "
-                                  f"{getattr(leaf, 'dtype', None)}{list(np.shape(leaf))} (a state of another "
-                                  f"capacity, spec, sampler or mesh?)")
-        return leaves
+        """The leaves of ``tree``; ConfigError unless it is a state of this configuration (``StateTypes.check``)."""
+        return self.state_types.check(tree, where)
+
+    @property
+    def _live_form(self) -> tuple:
+        """The kernels' form of the state; ConfigError if the state was freed (``state = None``)."""
+        if self._form is None:
+            raise ConfigError("the state was freed (plane.state = None): assign one (plane.state = state) or restore "
+                              "a checkpoint before using the plane")
+        return self._form
 
     def block_until_ready(self) -> None:
         """Wait until every kernel dispatched on the state so far has finished."""
@@ -383,7 +412,7 @@ class Engine:
         else:
             jitted = {"sample": self._sample_kernels[False, False], "update": self._update_kernel,
                       "update+sample": self._sample_kernels[True, False], "version": self._version_kernel}[kernel]
-        return jitted.trace(*self._form, *args).lower(lowering_platforms=None if platform is None else (platform,))
+        return jitted.trace(*self._live_form, *args).lower(lowering_platforms=None if platform is None else (platform,))
 
     def run(self, name: str, kernel, *args) -> list:
         """Call a kernel built by ``reading_kernel`` on the state (its compilations counted under ``name``), keep
@@ -393,7 +422,7 @@ class Engine:
         return self._call(name, kernel, *args)
 
     def _call(self, name: str, kernel, *args) -> list:
-        storage_large, rest_large, small = self._form
+        storage_large, rest_large, small = self._live_form
         with self.counting(name):
             rest_large, small, *outputs = self._settled(kernel(storage_large, rest_large, small, *args))
         self._keep(storage_large + tuple(rest_large), small)
@@ -408,14 +437,15 @@ class Engine:
         leaves = jax.tree_util.tree_leaves(batch)
         layout = self.config.layout
         reported: list = []
+        on_mesh = all(isinstance(leaf, jax.Array) and leaf.sharding.device_set == self._devices for leaf in leaves)
         for start, count, rows in ingest_chunks(n, self.config):
-            if start == 0 and count == rows and all(isinstance(leaf, jax.Array) for leaf in leaves):
+            if start == 0 and count == rows and on_mesh:  # (arrays on other devices are packed on the host)
                 block, packed = batch, False
             else:
                 block, packed = layout.pack_host(leaves, start, count, rows, self._staging(rows)), True
             with self.counting(f"ingest[{rows}{',packed' if packed else ''}]"):
                 large, small, finished, *reported = self._settled(self._ingest_kernel(rows, packed)(
-                    *self._form, layout.to_ring(block) if packed else block, np.int32(count)))
+                    *self._live_form, layout.to_ring(block) if packed else block, np.int32(count)))
             self._keep(large, small)
             if packed:
                 self._last_staging = (block, finished)
@@ -521,7 +551,7 @@ class Engine:
     def status(self) -> dict[str, int]:
         """The status scalars (``replay.status``) read from the device: waits for every kernel in flight."""
         with self.counting("status"):
-            status = self._status_kernel(*self._form)
+            status = self._status_kernel(*self._live_form)
         return {k: int(v) for k, v in jax.device_get(status).items()}
 
     def stats(self) -> dict[str, Any]:

@@ -45,7 +45,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from conduit_jax import engine, limits, memory, replay, samplers, storage
-from conduit_jax.errors import ConfigError, PriorityError
+from conduit_jax.errors import CapacityError, ConfigError, PriorityError
 from conduit_jax.limits import Limiter, Staleness
 from conduit_jax.placement import Plan
 from conduit_jax.replay import Delivery, ReplayConfig, ReplayState
@@ -57,7 +57,9 @@ class Buffer(NamedTuple):
     """A replay buffer as pure functions over its state (see the module docstring).
 
     init(seed=0) -> state: an empty state, placed with ``shardings``.
-    ingest(state, batch) -> state: write every item of ``batch`` (a leading item axis of any static size).
+    ingest(state, batch) -> state: write every item of ``batch`` (a leading item axis of any static size). A queue
+      (``fifo``, ``epochs``) refuses, outside a trace, a batch that would overwrite undelivered items
+      (``CapacityError``, nothing written); inside a trace nothing can be refused, so check ``can_ingest`` first.
     sample(state, batches=None) -> (state, Delivery): one batch; ``Delivery.valid`` is False when the state cannot
       deliver. ``batches=k`` (static): k successive draws at once, with a leading [k] axis (not with importance
       weights).
@@ -69,6 +71,11 @@ class Buffer(NamedTuple):
       was rewritten since is ignored). What an episode buffer that evicts whole episodes needs.
     read(state, rows) -> data: the items stored in global rows (``ids[:, 0]``), e.g. to follow links between items.
     item_ids(items) -> int32[n, 2] (host NumPy): the id of the ``items[i]``-th item ever ingested (0-based).
+    can_ingest(state, n=1) -> bool[]: whether ``n`` more items fit without overwriting undelivered ones (always True
+      unless the sampler is a queue).
+
+    Every function checks that ``state`` is a state of this buffer (structure, shapes and dtypes: at trace time
+    under jit), and raises ``ConfigError`` naming the leaf that differs.
     """
 
     config: ReplayConfig
@@ -83,6 +90,7 @@ class Buffer(NamedTuple):
     retire: Callable[[ReplayState, Any], ReplayState]
     read: Callable[[ReplayState, Any], Any]
     item_ids: Callable[[Any], np.ndarray]
+    can_ingest: Callable[..., jax.Array]
 
 
 def configure(spec, capacity: int, sampler: Optional[Sampler] = None, *, limiter: Optional[Limiter] = None,
@@ -145,6 +153,7 @@ def make_buffer(spec, capacity: int, sampler: Optional[Sampler] = None, *, limit
 def bind(config: ReplayConfig, shardings) -> Buffer:
     """The ``Buffer`` of an already checked config and its state's shardings (``ExperienceDataPlane.buffer()``)."""
     sampler = config.sampler
+    state_types = engine.StateTypes.of(config)  # every function checks the state it is given against this
 
     def init(seed: int = 0) -> ReplayState:
         if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool):
@@ -152,7 +161,12 @@ def bind(config: ReplayConfig, shardings) -> Buffer:
         return jax.jit(lambda: replay.init(config, int(seed)), out_shardings=shardings)()
 
     def ingest(state: ReplayState, batch) -> ReplayState:
+        state_types.check(state, "Buffer.ingest()")
         n = replay.check_batch(config, batch, "Buffer.ingest()")
+        if sampler.consumes and not isinstance(state.storage.cursor, jax.core.Tracer):
+            # outside a trace a queue refuses what would overwrite undelivered items, as the plane does (inside one
+            # nothing can be refused: check can_ingest first)
+            _refuse_overflow(int(replay.deliverable(config, engine.computable(state, shardings))), n)
         batch = jax.tree_util.tree_map(jnp.asarray, batch)
         state = engine.computable(state, shardings)
         # one kernel writes at most a full ring per shard; a larger batch goes in chunks, in order
@@ -162,7 +176,24 @@ def bind(config: ReplayConfig, shardings) -> Buffer:
         return engine.placed(state, shardings)
 
     def can_sample(state: ReplayState, batches: Optional[int] = None) -> jax.Array:
+        state_types.check(state, "Buffer.can_sample()")
+        replay.check_batches(config, batches, "Buffer.can_sample()")
         return _can_sample(engine.computable(state, shardings), batches)
+
+    def can_ingest(state: ReplayState, n: int = 1) -> jax.Array:
+        state_types.check(state, "Buffer.can_ingest()")
+        if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 1:
+            raise ConfigError(f"Buffer.can_ingest(): n must be an int >= 1, got {n!r}")
+        if not sampler.consumes:
+            return jnp.asarray(True)
+        return replay.deliverable(config, engine.computable(state, shardings)) + n <= config.capacity
+
+    def _refuse_overflow(pending: int, n: int) -> None:
+        if pending + n > config.capacity:
+            raise CapacityError(
+                f"Buffer.ingest(): the {sampler.name} queue holds {pending} undelivered items of {config.capacity}; "
+                f"{n} more would overwrite {pending + n - config.capacity} of them. Sample first, or ingest at most "
+                f"{config.capacity - pending} items")
 
     def _can_sample(state: ReplayState, batches: Optional[int]) -> jax.Array:  # over a computable state
         draws = 1 if batches is None else batches
@@ -173,6 +204,7 @@ def bind(config: ReplayConfig, shardings) -> Buffer:
         return enough & jnp.asarray(admitted)
 
     def sample(state: ReplayState, batches: Optional[int] = None) -> tuple[ReplayState, Delivery]:
+        state_types.check(state, "Buffer.sample()")
         replay.check_batches(config, batches, "Buffer.sample()")
         state = engine.computable(state, shardings)
         valid = _can_sample(state, batches)
@@ -189,11 +221,14 @@ def bind(config: ReplayConfig, shardings) -> Buffer:
         if sampler.update is None:
             raise ConfigError(f"Buffer.update(): the {sampler.name} sampler has no priorities; build the buffer "
                               f"with samplers.prioritized(...) to use them")
-        ids, priorities = _checked_ids(ids, "Buffer.update()"), jnp.asarray(priorities)
-        if priorities.shape != (ids.shape[0],) or not jnp.issubdtype(priorities.dtype, jnp.number):
+        state_types.check(state, "Buffer.update()")
+        ids = _checked_ids(ids, "Buffer.update()")
+        priorities = priorities if isinstance(priorities, jax.Array) else np.asarray(priorities)
+        if priorities.shape != (ids.shape[0],) or not (jnp.issubdtype(priorities.dtype, jnp.integer) or
+                                                       jnp.issubdtype(priorities.dtype, jnp.floating)):
             raise PriorityError(f"Buffer.update(): priorities must be real numbers of shape ({ids.shape[0]},), one "
                                 f"per id, got {priorities.dtype}{list(priorities.shape)}")
-        priorities = priorities.astype(jnp.float32)
+        priorities = jnp.asarray(priorities, jnp.float32)
         # inside a trace nothing can be refused: ids of no stored item (the -1 of an invalid delivery, rows out of
         # range) and priorities that are NaN, infinite or negative are skipped, and the rest applies
         valid = ((ids[:, 0] >= 0) & (ids[:, 0] < config.capacity) & (ids[:, 1] >= 1) & jnp.isfinite(priorities)
@@ -203,7 +238,8 @@ def bind(config: ReplayConfig, shardings) -> Buffer:
         return engine.placed(state.replace(sampler=new_sampler), shardings)
 
     def set_policy_version(state: ReplayState, version) -> ReplayState:
-        version = jnp.asarray(version, jnp.int32)
+        state_types.check(state, "Buffer.set_policy_version()")
+        version = _checked_version(version)
         new_state = replay.set_policy_version(config, engine.computable(state, shardings),
                                               jnp.maximum(version, state.policy_version))  # versions never go back
         return engine.placed(new_state, shardings)
@@ -212,29 +248,61 @@ def bind(config: ReplayConfig, shardings) -> Buffer:
         if sampler.retire is None:
             raise ConfigError(f"Buffer.retire(): the {sampler.name} sampler keeps no index to remove items from; "
                               f"build the buffer with samplers.prioritized(...) (alpha=0 draws uniformly)")
+        state_types.check(state, "Buffer.retire()")
         ids = _checked_ids(ids, "Buffer.retire()")
         valid = (ids[:, 0] >= 0) & (ids[:, 0] < config.capacity) & (ids[:, 1] >= 1)
         new_sampler = replay.retire(config, engine.computable(state, shardings), ids, valid)
         return engine.placed(state.replace(sampler=new_sampler), shardings)
 
     def read(state: ReplayState, rows):
-        rows = jnp.asarray(rows)
+        state_types.check(state, "Buffer.read()")
+        rows = rows if isinstance(rows, jax.Array) else np.asarray(rows)
         if rows.ndim != 1 or not jnp.issubdtype(rows.dtype, jnp.integer):
             raise ConfigError(f"Buffer.read(): rows must be a 1-d integer array (ids[:, 0]), got "
                               f"{rows.dtype}{list(rows.shape)}")
-        return replay.read(config, engine.computable(state, shardings), rows.astype(jnp.int32))
+        _refuse_wider_than_int32(rows, "rows", "Buffer.read()", ConfigError)
+        return replay.read(config, engine.computable(state, shardings), jnp.asarray(rows, jnp.int32))
 
-    return Buffer(config, shardings, init, ingest, sample, update, can_sample,
-                  lambda state: replay.size(config, engine.computable(state, shardings)), set_policy_version,
-                  retire, read, functools.partial(replay.item_ids, config))
+    def size(state: ReplayState) -> jax.Array:
+        state_types.check(state, "Buffer.size()")
+        return replay.size(config, engine.computable(state, shardings))
+
+    return Buffer(config, shardings, init, ingest, sample, update, can_sample, size, set_policy_version,
+                  retire, read, functools.partial(replay.item_ids, config), can_ingest)
 
 
 def _checked_ids(ids, where: str) -> jax.Array:
-    ids = jnp.asarray(ids)
+    ids = ids if isinstance(ids, jax.Array) else np.asarray(ids)
     if ids.ndim != 2 or ids.shape[1] != 2 or not jnp.issubdtype(ids.dtype, jnp.integer):
         raise PriorityError(f"{where}: ids must be an integer array of shape (m, 2) as in Delivery.ids, got "
                             f"{ids.dtype}{list(ids.shape)}")
-    return ids.astype(jnp.int32)
+    _refuse_wider_than_int32(ids, "ids", where, PriorityError)
+    return jnp.asarray(ids, jnp.int32)
+
+
+def _refuse_wider_than_int32(values, name: str, where: str, error) -> None:
+    """``error`` unless the concrete integer array ``values`` fits int32: narrowed, an id of 2**32 + 3 would name
+    row 3 (a traced array is already int32)."""
+    if isinstance(values, jax.core.Tracer) or values.dtype.itemsize < 4 or values.dtype == np.int32:
+        return
+    values = np.asarray(values)
+    wide = np.flatnonzero((values < np.iinfo(np.int32).min) | (values > np.iinfo(np.int32).max))
+    if wide.size:
+        raise error(f"{where}: {name} must fit int32 (ids are int32 as in Delivery.ids), got "
+                    f"{values.reshape(-1)[wide[0]]} at flat index {wide[0]}")
+
+
+def _checked_version(version) -> jax.Array:
+    """The policy version as an int32 scalar; ConfigError naming it unless it is an integer that fits."""
+    where = "Buffer.set_policy_version()"
+    if isinstance(version, jax.Array):
+        if version.shape != () or not jnp.issubdtype(version.dtype, jnp.integer):
+            raise ConfigError(f"{where}: version must be an integer scalar, got {version.dtype}{list(version.shape)}")
+        _refuse_wider_than_int32(version, "version", where, ConfigError)
+        return version.astype(jnp.int32)
+    if not isinstance(version, (int, np.integer)) or isinstance(version, bool) or not 0 <= version < 2**31:
+        raise ConfigError(f"{where}: version must be an int in [0, 2**31), got {version!r}")
+    return jnp.asarray(version, jnp.int32)
 
 
 def _padded(leaf: jax.Array, rows: int) -> jax.Array:
@@ -298,9 +366,9 @@ def check_config(config: ReplayConfig, capacity, where: str = "ExperienceDataPla
     staleness = config.staleness
     if staleness is not None:
         if not isinstance(staleness, Staleness) or not isinstance(staleness.max_versions, int) or \
-                staleness.max_versions < 0:
-            raise ConfigError(f"{where}: staleness must be limits.Staleness(max_versions >= 0, key), "
-                              f"got {staleness!r}")
+                isinstance(staleness.max_versions, bool) or not 0 <= staleness.max_versions < 2**31:
+            raise ConfigError(f"{where}: staleness must be limits.Staleness(max_versions in [0, 2**31), key) "
+                              f"(versions are int32), got {staleness!r}")
         if staleness.key not in spec.names or spec.dtypes[spec.names.index(staleness.key)] != np.int32 or \
                 spec.shapes[spec.names.index(staleness.key)] != ():
             raise ConfigError(f"{where}: staleness needs a per-item int32 leaf '{staleness.key}' (the "

@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import math
 import threading
 import time
 import weakref
@@ -22,7 +23,7 @@ from typing import Any, Optional
 
 import jax
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 
 from conduit_jax import checkpoint, functional, limits, memory, metrics, replay, runtime, samplers
 from conduit_jax import schedule as schedule_lib
@@ -62,6 +63,7 @@ class ExperienceDataPlane:
         if not isinstance(self.schedule, schedule_lib.Schedule):
             raise ConfigError(f"ExperienceDataPlane(): schedule must be a schedule.* policy (e.g. "
                               f"schedule.overlap(2)), got {type(self.schedule).__name__}")
+        schedule_lib.rebuilt(self.schedule, "ExperienceDataPlane()")
         if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool):
             raise ConfigError(f"ExperienceDataPlane(): seed must be an int, got {seed!r}")
         self.config, shardings = functional.configure(spec, capacity, sampler, limiter=limiter,
@@ -166,6 +168,7 @@ class ExperienceDataPlane:
         The plane keeps no reference to NumPy input: the caller may reuse its buffers once ``ingest`` returns.
         """
         runtime.refuse_under_trace("ingest()", "state = buffer.ingest(state, batch)")
+        timeout = checked_timeout(timeout, "ingest()")
         n = replay.check_batch(self.config, batch, "ingest()", cast=self.cast)
         with self._changed:
             self._wait_until(lambda: self._ingest_refusal(n), timeout)
@@ -177,6 +180,8 @@ class ExperienceDataPlane:
 
     def can_ingest(self, n: int = 1) -> bool:
         """Whether ``n`` items would be admitted now (rate limiter and queue capacity)."""
+        if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 1:
+            raise ConfigError(f"can_ingest(): n must be an int >= 1 (items), got {n!r}")
         with self._changed:
             return self._ingest_refusal(n) is None
 
@@ -194,6 +199,12 @@ class ExperienceDataPlane:
         if not self.limiter.can_insert(LimiterState(status["limiter_balance"]), status["size"]):
             return RateLimitedError, (f"ingest(): the rate limiter {self.limiter.name} admits no insert until more "
                                       f"is sampled")
+        balance = status["limiter_balance"]
+        if int(self.limiter.on_insert(LimiterState(balance), n).balance) > np.iinfo(np.int32).max:
+            per_item = int(self.limiter.on_insert(LimiterState(0), 1).balance)
+            return CapacityError, (f"ingest(): {n} items in one call would carry the rate limiter "
+                                   f"{self.limiter.name}'s balance past int32; ingest at most "
+                                   f"{(np.iinfo(np.int32).max - balance) // per_item} items per call")
         return None
 
     # -- sample -------------------------------------------------------------------------------------------------
@@ -210,6 +221,7 @@ class ExperienceDataPlane:
         or shardings are not this plane's batches, or it was already donated).
         """
         runtime.refuse_under_trace("sample()", "state, delivery = buffer.sample(state)")
+        timeout = checked_timeout(timeout, "sample()")
         with self._changed:
             self._schedule.apply_due()  # every deferred update due now is in (the priority staleness bound)
             self._wait_until(self._sample_refusal, timeout)
@@ -222,6 +234,8 @@ class ExperienceDataPlane:
     def _check_recycle(self, recycle: Optional[Delivery], where: str) -> None:
         if recycle is None:
             return
+        if not isinstance(recycle, Delivery):
+            raise SpecError(f"{where}: recycle must be a Delivery this plane returned, got {type(recycle).__name__}")
         if self._schedule.holds(recycle):
             raise SpecError(f"{where}: recycle is a batch still queued for deliver() (or already handed over for "
                             f"recycling); only a delivered batch the learner is done with can be recycled")
@@ -271,6 +285,7 @@ class ExperienceDataPlane:
         ``sample``); the next batch drawn is written into its buffers (a refused draw leaves it as it is).
         """
         runtime.refuse_under_trace("deliver()", "state, delivery = buffer.sample(state)")
+        timeout = checked_timeout(timeout, "deliver()")
         return self._schedule.deliver(self.timeline, timeout, recycle, self._check_recycle)
 
     def _refreshed(self, delivery: Delivery) -> Delivery:
@@ -310,7 +325,7 @@ class ExperienceDataPlane:
             if remaining is not None and remaining <= 0:
                 error, message = reason
                 raise error(message + (f" (waited {timeout} s)" if timeout else ""))
-            self._changed.wait(remaining)
+            self._changed.wait(None if remaining is None else min(remaining, threading.TIMEOUT_MAX))
             reason = refusal()
 
     # -- priorities -----------------------------------------------------------------------------------------------
@@ -397,6 +412,12 @@ class ExperienceDataPlane:
         """Move the live state to other memory kinds on the same mesh (a ``ReplayState`` of ``NamedSharding``, e.g.
         ``jax.tree.map(lambda s: s.with_memory_kind("pinned_host"), plane.shardings)``); the kernels from now on
         keep it there."""
+        leaves, treedef = jax.tree_util.tree_flatten(shardings)
+        if not isinstance(shardings, ReplayState) or treedef != jax.tree_util.tree_structure(self.shardings) or \
+                not all(isinstance(s, NamedSharding) and s.mesh == self.mesh for s in leaves):
+            raise ConfigError("place(): shardings must be a ReplayState of NamedSharding on the plane's mesh (e.g. "
+                              "plane.shardings with other memory kinds); to move to another mesh use replan(plan) or "
+                              f"a checkpoint, got {type(shardings).__name__}")
         self._move(self.config, shardings, "place()")
 
     def _move(self, config, shardings, where: str) -> None:
@@ -456,3 +477,15 @@ def _weakly(plane, method: str):
         return getattr(target, method)(*args, **kwargs)
 
     return call
+
+
+def checked_timeout(timeout, where: str) -> Optional[float]:
+    """``timeout`` as the wait loops take it: None (or infinity) waits for ever, a number >= 0 that many seconds;
+    ConfigError naming it otherwise (a NaN deadline would never pass)."""
+    if timeout is None:
+        return None
+    if not isinstance(timeout, (int, float, np.integer, np.floating)) or isinstance(timeout, bool) or \
+            math.isnan(timeout) or timeout < 0:
+        raise ConfigError(f"{where}: timeout must be a number of seconds >= 0 or None (wait for ever), got "
+                          f"{timeout!r}")
+    return None if math.isinf(timeout) else float(timeout)

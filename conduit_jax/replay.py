@@ -358,7 +358,12 @@ def read(config: ReplayConfig, state: ReplayState, rows):
 def item_ids(config: ReplayConfig, items) -> np.ndarray:
     """Host NumPy: the id (global row, generation) of the ``items[i]``-th item ever ingested (0-based). Items are
     dealt round-robin: item g goes to shard ``g % S`` as that shard's ``g // S``-th item."""
-    items = np.asarray(items, np.int64)
+    given = np.asarray(items)
+    if not np.issubdtype(given.dtype, np.integer) or (given.size and given.min() < 0):
+        raise ConfigError(f"item_ids(): items must be ints >= 0 (the g-th item ever ingested), got "
+                          f"{given.dtype}{list(given.shape)}" + (f" holding {given.min()}" if given.size and
+                                                                 np.issubdtype(given.dtype, np.number) else ""))
+    items = given.astype(np.int64)
     shards, per_shard = config.num_shards, config.shard_capacity
     local = items // shards
     rows = (items % shards) * per_shard + local % per_shard

@@ -289,7 +289,13 @@ def fifo(batch_size: int) -> Sampler:
         return QueueState(head=jnp.zeros((), jnp.int32), pending=jnp.zeros((), jnp.int32))
 
     def on_insert(state: QueueState, view: InsertView):
-        return QueueState(state.head, state.pending + view.total)
+        # the plane (and an eager Buffer.ingest) refuses an ingest that would overwrite undelivered items; inside a
+        # trace nothing can be refused, so the head skips past what was overwritten (whole rows of every shard: the
+        # shards read in lockstep) and no item is ever delivered twice
+        pending = state.pending + view.total
+        over = jnp.maximum(pending - view.num_shards * view.shard_capacity, 0)
+        rows = (over + view.num_shards - 1) // view.num_shards
+        return QueueState((state.head + rows) % view.shard_capacity, pending - rows * view.num_shards)
 
     def sample(state: QueueState, view: ShardView):
         per_shard = batch_size // view.num_shards

@@ -79,6 +79,21 @@ def adaptive(max_depth: int = 4, k: int = 1) -> Schedule:
                     defer=_positive(k, "k", "adaptive", low=0), adaptive=True)
 
 
+def rebuilt(schedule: Schedule, where: str) -> Schedule:
+    """``schedule`` rebuilt through its constructor (``sync``, ``overlap``, ``deferred``, ``adaptive``), so a
+    hand-made or recorded ``Schedule`` gets the constructors' checks; ConfigError naming what is wrong."""
+    name, depth, defer = schedule.name, schedule.depth, schedule.defer
+    made = {"sync": lambda: sync(), "overlap": lambda: overlap(depth), "deferred": lambda: deferred(defer, depth),
+            "adaptive": lambda: adaptive(depth, defer)}.get(name)
+    if made is None:
+        raise ConfigError(f"{where}: schedule name must be sync, overlap, deferred or adaptive, got {name!r}")
+    result = made()
+    if result != schedule:
+        raise ConfigError(f"{where}: {schedule} is not what schedule.{name}() makes ({result}); build it with "
+                          f"schedule.{name}(...)")
+    return result
+
+
 def warn_if_synchronous(schedule: Schedule, devices, stacklevel: int = 2) -> None:
     """ConduitWarning when ``schedule`` prefetches on devices that compute each dispatch before it returns."""
     if schedule.depth and runtime.prefetch_is_synchronous(devices):

@@ -144,8 +144,12 @@ class ExperienceSpec:
             raise SpecError(f"{where}: batch has " + " and ".join(parts) + f"; the spec is {self}")
         problems, counts = [], []
         for (_, leaf), name, shape, dtype in zip(flat, self.names, self.shapes, self.dtypes):
-            if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
+            if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype") or isinstance(leaf, jax.ShapeDtypeStruct):
                 problems.append(f"leaf '{name}' is a {type(leaf).__name__}, expected an array with a leading item axis")
+                continue
+            if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer) and leaf.is_deleted():
+                problems.append(f"leaf '{name}' is a deleted jax.Array (donated to an earlier call?), expected an "
+                                f"array with data")
                 continue
             got_dtype = np.dtype(leaf.dtype)
             if got_dtype != dtype:

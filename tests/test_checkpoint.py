@@ -618,7 +618,9 @@ def test_corrupted_or_foreign_metadata_is_refused(saved):
     bad_crc = {**meta, "arrays": {**meta["arrays"], "storage.cursor": {**meta["arrays"]["storage.cursor"],
                                                                       "crc32": 1}}}
     for changed, message in (({**meta, "row_words": 3}, "rows have 3 words"),
-                             (bad_crc, r"\['storage.cursor'\] of step 0 do not match their recorded digests")):
+                             (bad_crc, r"\['storage.cursor'\] of step 0 do not match their recorded digests"),
+                             ({**meta, "schedule": {"name": "overlap", "depth": -5, "defer": 0}},
+                              "recorded schedule .* cannot be rebuilt .*depth must be an int >= 1, got -5")):
         with open(meta_file, "w") as f:
             json.dump(signed(changed), f)
         with pytest.raises(CheckpointError, match=message):

@@ -176,6 +176,179 @@ def test_rate_limiter_that_could_deadlock_is_refused():
                                limiter=limits.sample_to_insert_ratio(4.0, min_size=8, error_buffer=2))
 
 
+# -- named cases: what an adversarial battery found ---------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def buffers():
+    """A prioritized and a uniform functional buffer of capacity 64 (one device) with 40 items, and a capacity-32 one."""
+    made = {}
+    for name, sampler, capacity in (("per", samplers.prioritized(8), 64), ("uniform", samplers.uniform(8), 64),
+                                    ("small", samplers.prioritized(8), 32)):
+        buffer = cj.make_buffer(SPEC, capacity, sampler, mesh=cj.default_mesh(1))
+        made[name] = (buffer, jax.jit(buffer.ingest)(buffer.init(0), good_batch(40)))
+    return made
+
+
+def test_functional_calls_refuse_a_state_that_is_not_their_buffers(buffers):
+    buffer, state = buffers["per"]
+    wrong = {"a state of another capacity": buffers["small"][1], "another sampler's state": buffers["uniform"][1],
+             "not a state": "garbage", "None": None}
+    calls = {"ingest": lambda s: buffer.ingest(s, good_batch(4)), "sample": buffer.sample,
+             "can_sample": buffer.can_sample, "size": buffer.size, "read": lambda s: buffer.read(s, np.arange(2)),
+             "update": lambda s: buffer.update(s, np.array([[0, 1]]), np.ones(1)),
+             "set_policy_version": lambda s: buffer.set_policy_version(s, 1)}
+    for what, bad in wrong.items():
+        for name, call in calls.items():
+            with pytest.raises(cj.ConfigError, match=rf"Buffer.{name}\(\): .*(state must be a ReplayState|expected a "
+                                                     rf"ReplayState of this buffer|leaf .* must be)"):
+                call(bad)
+    assert int(buffer.size(state)) == 40  # and its own state still works
+
+
+def test_functional_arguments_are_checked_by_name(buffers):
+    buffer, state = buffers["per"]
+    wide = np.array([[3 + 2**32, 1]], np.int64)  # narrowed to int32 it would name row 3, a live item
+    for ids in (wide, np.array([[3, 1 + 2**32]], np.int64)):
+        with pytest.raises(cj.PriorityError, match=r"ids must fit int32 .*got 4294967\d+"):
+            buffer.update(state, ids, np.array([100.0]))
+    with pytest.raises(cj.ConfigError, match="rows must fit int32"):
+        buffer.read(state, np.array([2**32 + 2], np.int64))
+    for priorities in (np.array(["a"]), np.array([1 + 5j])):
+        with pytest.raises(cj.PriorityError, match="priorities must be real numbers"):
+            buffer.update(state, np.array([[0, 1]]), priorities)
+    for version in (2**40, 1.9, None, -1, "3"):
+        with pytest.raises(cj.ConfigError, match=r"version must be an int in \[0, 2\*\*31\)"):
+            buffer.set_policy_version(state, version)
+    for items in (["a"], -1, [0, -5], 1.5):
+        with pytest.raises(cj.ConfigError, match="items must be ints >= 0"):
+            buffer.item_ids(items)
+    uniform, uniform_state = buffers["uniform"]
+    for batches in (0, -1, 1.5, True, "x"):
+        with pytest.raises(cj.ConfigError, match="batches must be an int >= 1 or None"):
+            uniform.can_sample(uniform_state, batches)
+    for n in (0, 1.5, "x"):
+        with pytest.raises(cj.ConfigError, match="n must be an int >= 1"):
+            uniform.can_ingest(uniform_state, n)
+
+
+def test_a_functional_queue_refuses_what_would_overwrite_undelivered_items():
+    queue = cj.make_buffer(SPEC, 16, samplers.fifo(8), mesh=cj.default_mesh(1))
+    ingest, sample = jax.jit(queue.ingest), jax.jit(queue.sample)  # (inside a trace nothing is refused)
+    state = ingest(queue.init(0), good_batch(12))
+    assert bool(queue.can_ingest(state, 4)) and not bool(queue.can_ingest(state, 5))
+    with pytest.raises(cj.CapacityError, match="queue holds 12 undelivered items of 16; 8 more would overwrite 4"):
+        queue.ingest(state, good_batch(8))  # outside a trace it is
+    state, first = sample(state)
+    state = ingest(state, good_batch(8, seed=1))  # room for 12 now
+    state, second = sample(state)
+    state, third = sample(state)  # 4 undelivered items left: no full batch
+    assert bool(first.valid) and bool(second.valid) and not bool(third.valid)
+    expected = np.concatenate([good_batch(12)["act"], good_batch(8, seed=1)["act"]])
+    np.testing.assert_array_equal(np.concatenate([first.data["act"], second.data["act"]]), expected[:16])
+
+
+@pytest.mark.parametrize("shards", [1, 8])
+def test_inside_a_trace_a_queue_skips_what_an_overfilling_ingest_overwrote(shards):
+    """Nothing can be refused inside jit: 24 items into a 16-slot queue overwrite the 8 oldest undelivered ones,
+    and the queue goes on with the 16 it holds, each delivered once."""
+    queue = cj.make_buffer(SPEC, 16, samplers.fifo(8), mesh=cj.default_mesh(shards))
+    ingest, sample = jax.jit(queue.ingest), jax.jit(queue.sample)
+    batch = good_batch(24)
+    batch["act"] = np.arange(24, dtype=np.int32)
+    state = ingest(queue.init(0), batch)
+    deliveries = []
+    for _ in range(3):
+        state, delivery = sample(state)
+        deliveries.append((bool(delivery.valid), sorted(np.asarray(delivery.data["act"]).tolist())))
+    assert deliveries[0] == (True, list(range(8, 16))) and deliveries[1] == (True, list(range(16, 24)))
+    assert not deliveries[2][0]
+
+
+def test_an_ingest_that_would_carry_the_limiter_past_int32_is_refused():
+    plane = cj.ExperienceDataPlane(SPEC, 64, samplers.uniform(8), mesh=cj.default_mesh(1),
+                                   limiter=limits.sample_to_insert_ratio(1e6, min_size=1, error_buffer=1e6))
+    before = snapshot(plane)
+    with pytest.raises(cj.CapacityError, match=r"3000 items in one call would carry the rate limiter .* past int32; "
+                                               r"ingest at most 214\d items per call"):
+        plane.ingest(good_batch(3000))
+    assert_unchanged(plane, before)
+    plane.ingest(good_batch(2000))
+
+
+def test_plane_arguments_are_checked_by_name_and_change_nothing(per_plane, tmp_path):
+    empty = cj.ExperienceDataPlane(SPEC, 64, samplers.uniform(8), mesh=cj.default_mesh(1))
+    before = snapshot(per_plane)
+    for timeout in ("1", float("nan"), -1.0, True):
+        for name, call in (("ingest", lambda t: per_plane.ingest(good_batch(4), timeout=t)),
+                           ("sample", lambda t: empty.sample(timeout=t)),
+                           ("deliver", lambda t: empty.deliver(timeout=t))):
+            with pytest.raises(cj.ConfigError, match=rf"{name}\(\): timeout must be a number of seconds >= 0"):
+                call(timeout)
+    for n in ("x", -100, 1.5, 0):
+        with pytest.raises(cj.ConfigError, match=r"can_ingest\(\): n must be an int >= 1"):
+            per_plane.can_ingest(n)
+    for bad in ("garbage", [per_plane.shardings.storage.rows],
+                cj.ExperienceDataPlane(SPEC, 64, samplers.prioritized(8), mesh=cj.default_mesh(1)).shardings):
+        with pytest.raises(cj.ConfigError, match=r"place\(\): shardings must be a ReplayState of NamedSharding on "
+                                                 r"the plane's mesh"):
+            per_plane.place(bad)
+    batch = good_batch(4)
+    for leaf, message in ((jax.ShapeDtypeStruct((4, 3), np.float32), "leaf 'obs' is a ShapeDtypeStruct"),
+                          (jax.numpy.zeros((4, 3)), "leaf 'obs' is a deleted jax.Array")):
+        if message.endswith("jax.Array"):
+            leaf.delete()
+        with pytest.raises(cj.SpecError, match=message):
+            per_plane.ingest({**batch, "obs": leaf})
+    assert_unchanged(per_plane, before)
+    # an empty plane waits for ever with timeout=inf, as with None, until an ingest lets it sample
+    threading.Timer(0.2, lambda: empty.ingest(good_batch(8))).start()
+    assert empty.sample(timeout=float("inf")).ids.shape == (8, 2)
+    with pytest.raises(cj.ConfigError, match="staleness must be limits.Staleness"):
+        cj.ExperienceDataPlane({**SPEC.structs, "version": jax.ShapeDtypeStruct((), np.int32)}, 64,
+                               samplers.uniform(8), mesh=cj.default_mesh(1),
+                               staleness=limits.Staleness(2**40, "version"))
+    from conduit_jax import schedule
+
+    with pytest.raises(cj.ConfigError, match="schedule name must be sync, overlap, deferred or adaptive, got 'x'"):
+        cj.ExperienceDataPlane(SPEC, 64, samplers.uniform(8), mesh=cj.default_mesh(1),
+                               schedule=schedule.Schedule("x", depth=-1, defer=-1))
+    with pytest.raises(cj.ConfigError, match=r"is not what schedule.overlap\(\) makes"):
+        cj.ExperienceDataPlane(SPEC, 64, samplers.uniform(8), mesh=cj.default_mesh(1),
+                               schedule=schedule.Schedule("overlap", depth=2, defer=3))
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    with pytest.raises(cj.CheckpointError, match="cannot be a directory: .*afile is a file"):
+        per_plane.save(afile / "ck", block=True)
+
+
+def test_batches_on_other_devices_are_taken_and_a_freed_state_is_named():
+    plane = cj.ExperienceDataPlane(SPEC, 64, samplers.uniform(8), mesh=cj.default_mesh(1))
+    elsewhere = jax.device_put(good_batch(64), jax.devices()[5])
+    plane.ingest(elsewhere)
+    sharded = cj.ExperienceDataPlane(SPEC, 64, samplers.uniform(8), mesh=cj.default_mesh(8))
+    sharded.ingest(jax.device_put(good_batch(64), jax.devices()[0]))
+    for p in (plane, sharded):
+        act = np.sort(np.asarray(p.sample().data["act"]))
+        assert len(p) == 64 and np.isin(act, good_batch(64)["act"]).all()
+    state = plane.state
+    plane.state = None
+    with pytest.raises(cj.ConfigError, match=r"the state was freed \(plane.state = None\)"):
+        plane.ingest(good_batch(4))
+    plane.state = state
+    assert len(plane) == 64
+
+
+def test_an_overlap_plane_refuses_a_recycle_that_is_no_delivery():
+    from conduit_jax import schedule
+
+    with cj.ExperienceDataPlane(SPEC, 64, samplers.uniform(8), mesh=cj.default_mesh(1),
+                                schedule=schedule.overlap(2)) as plane:
+        plane.ingest(good_batch(32))
+        plane.deliver()
+        for call in (lambda: plane.deliver(recycle="x"), lambda: plane.sample(recycle=42)):
+            with pytest.raises(cj.SpecError, match="recycle must be a Delivery this plane returned"):
+                call()
+
+
 # -- sustained load -------------------------------------------------------------------------------------------------
 def rss_bytes() -> int:
     with open(f"/proc/{os.getpid()}/statm") as f:
