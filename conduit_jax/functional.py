@@ -111,7 +111,7 @@ def configure(spec, capacity: int, sampler: Optional[Sampler] = None, *, limiter
     if not isinstance(limiter, Limiter):
         raise ConfigError(f"{where}: limiter must be a limits.Limiter (e.g. limits.sample_to_insert_ratio(...)), "
                           f"got {type(limiter).__name__}")
-    limiter.check(sampler.batch_size)
+    limiter.check(sampler.batch_size, capacity)
     if plan is not None and mesh is not None:
         raise ConfigError(f"{where}: pass mesh or plan, not both (a plan brings its mesh: plan.mesh())")
     if mesh is not None and not isinstance(mesh, Mesh):

@@ -25,7 +25,7 @@ from jax import lax
 
 from conduit_jax import storage, sumtree
 from conduit_jax._pytree import replace, state_dataclass
-from conduit_jax.errors import ConfigError
+from conduit_jax.errors import ConfigError, constructor_kwargs
 
 
 class ShardView(NamedTuple):
@@ -541,8 +541,9 @@ def sequences(batch_size: int, length: int, streams: int, *, burn_in: int = 0, p
     items, environment e at position ``t * streams + e``), so stream e's steps sit in one shard, ``streams / S``
     slots apart; ``streams`` must be a multiple of the shard count.
 
-    A window starts only every ``period`` steps. Episode ends are the OR of the boolean ``end_keys`` leaves (by
-    default ``terminated`` and ``truncated``). With ``pad=False`` a window never crosses an episode boundary (only
+    A window starts only every ``period`` steps. Episode ends are the OR of the boolean ``end_keys`` leaves (a
+    tuple of leaf names, by default ``terminated`` and ``truncated``; a bare str is refused: write ``("done",)``).
+    ``pad`` must be a bool. With ``pad=False`` a window never crosses an episode boundary (only
     its last step may end the episode). With ``pad=True`` windows may run past an episode's end and the delivery's
     ``mask`` marks the steps that belong to the window's first episode (what n-step returns need: see
     ``transforms.n_step``). Selection is uniform over eligible windows, or prioritized when ``alpha`` is given
@@ -559,8 +560,18 @@ def sequences(batch_size: int, length: int, streams: int, *, burn_in: int = 0, p
                              ("period", period, 1)):
         if not isinstance(value, int) or isinstance(value, bool) or value < low:
             raise ConfigError(f"samplers.sequences(): {name} must be an int >= {low}, got {value!r}")
-    if not end_keys or not all(isinstance(k, str) for k in end_keys):
-        raise ConfigError(f"samplers.sequences(): end_keys must name the boolean episode-end leaves, got {end_keys!r}")
+    if not isinstance(pad, (bool, np.bool_)):
+        raise ConfigError(f"samplers.sequences(): pad must be a bool (True: windows may run past an episode's end, "
+                          f"masked), got {type(pad).__name__} {pad!r}")
+    pad = bool(pad)
+    if isinstance(end_keys, str):  # a bare str would be iterated into one-letter keys
+        raise ConfigError(f"samplers.sequences(): end_keys must be a tuple of leaf names, not a str: write "
+                          f"end_keys=({end_keys!r},) for a single episode-end leaf")
+    if not isinstance(end_keys, (tuple, list)) or not end_keys or \
+            not all(isinstance(k, str) and k for k in end_keys):
+        raise ConfigError(f"samplers.sequences(): end_keys must be a non-empty tuple of names of the boolean "
+                          f"episode-end leaves, got {end_keys!r}")
+    end_keys = tuple(end_keys)
     weighted = alpha is not None
     exponent = 1.0 if alpha is None else alpha
     params = _params(batch_size=batch_size, length=length, streams=streams, burn_in=burn_in, period=period, pad=pad,
@@ -573,6 +584,9 @@ def sequences(batch_size: int, length: int, streams: int, *, burn_in: int = 0, p
         return before == 0
 
     if pad and not weighted and max_times_sampled is None and period == 1:
+        # eps and beta are unused here, but checked as on the indexed path: a checkpoint records them
+        _check_number(eps, "eps", "samplers.sequences()", above=True)
+        _as_schedule(beta, "beta", "samplers.sequences()")
         return _uniform_windows(batch_size, window, streams, tuple(end_keys), mask, params)
 
     def on_insert(state: PriorityState, view: InsertView):
@@ -660,14 +674,15 @@ def _params(**kwargs) -> tuple:
 
 def from_params(name: str, params) -> Sampler:
     """Rebuild a sampler from ``(sampler.name, dict(sampler.params))``, as a checkpoint records it."""
+    where = "samplers.from_params()"
     constructors = {"uniform": uniform, "epochs": epochs, "fifo": fifo, "prioritized": prioritized,
                     "sequences": sequences}
-    if name not in constructors:
-        raise ConfigError(f"samplers.from_params(): unknown sampler {name!r}; known: {sorted(constructors)}")
-    kwargs = dict(params)
+    if not isinstance(name, str) or name not in constructors:
+        raise ConfigError(f"{where}: unknown sampler {name!r}; known: {sorted(constructors)}")
+    kwargs = constructor_kwargs(where, f"the {name} sampler", constructors[name], params)
     if "beta" in kwargs and kwargs["beta"] is None:
-        raise ConfigError(f"samplers.from_params(): the {name} sampler used a beta schedule, which a checkpoint cannot "
+        raise ConfigError(f"{where}: the {name} sampler used a beta schedule, which a checkpoint cannot "
                           f"record; pass the sampler explicitly")
-    if "end_keys" in kwargs:
+    if isinstance(kwargs.get("end_keys"), list):
         kwargs["end_keys"] = tuple(kwargs["end_keys"])
     return constructors[name](**kwargs)

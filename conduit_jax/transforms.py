@@ -7,8 +7,81 @@ correct bootstrapping: accumulation stops at the first episode end; after a term
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
+
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+from conduit_jax.errors import ConfigError, SpecError
+
+_WHERE = "transforms.n_step()"
+
+
+def _checked_gamma(gamma):
+    """``gamma`` when it is a finite number in [0, 1] (a Python or NumPy real, or a real JAX scalar: a traced one
+    is checked for its shape and dtype only), else a ConfigError naming it."""
+    if isinstance(gamma, jax.Array) or (isinstance(gamma, np.ndarray) and gamma.shape == ()):
+        if gamma.shape != () or not (jnp.issubdtype(gamma.dtype, jnp.floating) or
+                                     jnp.issubdtype(gamma.dtype, jnp.integer)):
+            raise ConfigError(f"{_WHERE}: gamma must be a real scalar in [0, 1], got {gamma.dtype}{list(gamma.shape)}")
+        if isinstance(gamma, jax.core.Tracer):
+            return gamma
+        value = float(gamma)
+    elif isinstance(gamma, (int, float, np.integer, np.floating)) and not isinstance(gamma, (bool, np.bool_)):
+        value = float(gamma)
+    else:
+        raise ConfigError(f"{_WHERE}: gamma must be a finite number in [0, 1], got {type(gamma).__name__} {gamma!r}")
+    if not math.isfinite(value) or not 0.0 <= value <= 1.0:
+        raise ConfigError(f"{_WHERE}: gamma must be a finite number in [0, 1], got {gamma!r}")
+    return gamma
+
+
+def _checked_window(data, mask, keys: dict):
+    """The (batch, steps) of ``mask``, after checking that ``mask`` is bool[B, n], that ``data`` is a dict of
+    [B, n, ...] leaves holding the ``keys`` leaves (the truncated one is optional) and that the reward / episode-end leaves are [B, n]; else a
+    SpecError (ConfigError for a key argument that is not a str) naming what differs."""
+    for argument, key in keys.items():
+        if not isinstance(key, str):
+            raise ConfigError(f"{_WHERE}: {argument} must be the name of a leaf of data (a str), got "
+                              f"{type(key).__name__} {key!r}")
+    if not isinstance(mask, (jax.Array, np.ndarray)):
+        raise SpecError(f"{_WHERE}: mask must be a bool[B, n] array (Delivery.mask of a padded sequences sampler), "
+                        f"got {type(mask).__name__}")
+    if mask.dtype != np.bool_ or mask.ndim != 2 or mask.shape[1] < 1:
+        raise SpecError(f"{_WHERE}: mask must be a bool[B, n] array with n >= 1 (Delivery.mask of a padded "
+                        f"sequences sampler), got {mask.dtype}{list(mask.shape)}")
+    if not isinstance(data, Mapping):
+        raise SpecError(f"{_WHERE}: data must be a dict of [B, n, ...] leaves (Delivery.data of a sequences "
+                        f"sampler), got {type(data).__name__}")
+    batch, steps = mask.shape
+    for argument, key in keys.items():
+        if argument != "truncated" and key not in data:  # truncated is optional
+            raise SpecError(f"{_WHERE}: data has no leaf {key!r} (the {argument} leaf); its leaves are "
+                            f"{sorted(map(str, data))}")
+    paths, _ = jax.tree_util.tree_flatten_with_path(data)
+    for path, leaf in paths:
+        name = jax.tree_util.keystr(path)
+        shape = getattr(leaf, "shape", None)
+        if shape is None or not hasattr(leaf, "dtype"):
+            raise SpecError(f"{_WHERE}: data leaf {name} must be an array of shape [B, n, ...] = [{batch}, {steps}, "
+                            f"...] like mask, got {type(leaf).__name__}")
+        if tuple(shape[:2]) != (batch, steps):
+            raise SpecError(f"{_WHERE}: data leaf {name} must have shape [B, n, ...] = [{batch}, {steps}, ...] like "
+                            f"mask {list(mask.shape)}, got {list(shape)}")
+    for argument in ("reward", "terminated", "truncated"):
+        key = keys.get(argument)
+        if key is None or key not in data:
+            continue
+        leaf = data[key]
+        if tuple(leaf.shape) != (batch, steps):
+            raise SpecError(f"{_WHERE}: the {argument} leaf {key!r} must be [B, n] = [{batch}, {steps}] (one per "
+                            f"step), got {list(leaf.shape)}")
+        if argument == "reward" and not (jnp.issubdtype(leaf.dtype, jnp.floating) or
+                                         jnp.issubdtype(leaf.dtype, jnp.integer)):
+            raise SpecError(f"{_WHERE}: the reward leaf {key!r} must be real numbers, got {leaf.dtype}")
+    return batch, steps
 
 
 def n_step(data, mask, gamma: float, *, reward: str = "reward", terminated: str = "terminated",
@@ -20,7 +93,15 @@ def n_step(data, mask, gamma: float, *, reward: str = "reward", terminated: str 
     ``G = sum_k gamma^k r_k`` over the masked steps, ``next_obs``, ``terminated`` and ``truncated`` (when present)
     taken from the last masked step, ``n_steps`` = m, the number of masked steps, and
     ``discount = gamma^m * (1 - terminated_last)``: the factor a TD target puts on ``Q(next_obs)``.
+
+    ``gamma`` must be a finite number in [0, 1] (``ConfigError``); ``data`` must be a dict holding the ``reward``,
+    ``terminated`` and ``next_obs`` leaves, every leaf [B, n, ...] with the reward and episode-end leaves [B, n],
+    and ``mask`` bool[B, n] (``SpecError`` naming what differs). These are checks of shapes, dtypes and static
+    values: they run at trace time under ``jax.jit``.
     """
+    gamma = _checked_gamma(gamma)
+    _checked_window(data, mask, {"reward": reward, "terminated": terminated, "next_obs": next_obs,
+                                 "truncated": truncated})
     steps = mask.shape[1]
     live = mask.astype(jnp.float32)
     powers = jnp.power(jnp.float32(gamma), jnp.arange(steps, dtype=jnp.float32))

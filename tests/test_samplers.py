@@ -287,3 +287,45 @@ def test_batches_must_be_a_positive_count_and_not_for_weighted_samplers(bad):
     weighted = ExperienceDataPlane(SPEC, 64, samplers.prioritized(8), mesh=jax.make_mesh((1,), ("shard",)))
     with pytest.raises(ConfigError, match="importance weights"):
         weighted.sample_fn(batches=2)
+
+
+@pytest.mark.parametrize("bad", ["no", 1, 0, None])
+def test_sequences_pad_must_be_a_bool(bad):
+    with pytest.raises(ConfigError, match=r"samplers\.sequences\(\): pad must be a bool"):
+        samplers.sequences(8, 4, 1, pad=bad)
+
+
+def test_sequences_end_keys_must_not_be_a_bare_str():
+    """A str would be iterated into one-letter keys ('t', 'e', ...): it is refused, naming end_keys."""
+    with pytest.raises(ConfigError, match=r"samplers\.sequences\(\): end_keys must be a tuple .*\('terminated',\)"):
+        samplers.sequences(8, 4, 1, end_keys="terminated")
+    assert samplers.sequences(8, 4, 1, end_keys=["terminated"]).needs == ("terminated",)  # a list is fine
+
+
+@pytest.mark.parametrize("name, params, words", [
+    ("uniform", {"bogus": 1}, r"the uniform sampler takes the parameters \['batch_size'\]: unknown parameters "
+                              r"\['bogus'\]"),
+    ("uniform", {}, r"missing parameters \['batch_size'\]"),
+    ("uniform", None, "params must be a mapping"),
+    ("sequences", {"batch_size": 8}, r"missing parameters \['length', 'streams'\]"),
+    ("bogus", {}, "unknown sampler 'bogus'"),
+], ids=str)
+def test_from_params_refuses_what_no_sampler_takes(name, params, words):
+    with pytest.raises(ConfigError, match=rf"samplers\.from_params\(\): .*{words}"):
+        samplers.from_params(name, params)
+
+
+@pytest.mark.parametrize("sampler", [samplers.uniform(8), samplers.prioritized(8, alpha=0.5),
+                                     samplers.sequences(8, 4, 2, pad=True, end_keys=("done",))],
+                         ids=lambda s: s.name)
+def test_from_params_rebuilds_a_sampler(sampler):
+    assert samplers.from_params(sampler.name, dict(sampler.params)).params == sampler.params
+
+
+@pytest.mark.parametrize("kwargs, argument", [({"eps": -1.0}, "eps"), ({"eps": float("nan")}, "eps"),
+                                              ({"beta": -5.0}, "beta"), ({"beta": "x"}, "beta")], ids=str)
+@pytest.mark.parametrize("pad", [True, False])
+def test_sequences_checks_eps_and_beta_on_every_path(kwargs, argument, pad):
+    """The index-free padded path uses neither, but a checkpoint records them: checked as on the indexed path."""
+    with pytest.raises(ConfigError, match=rf"samplers\.sequences\(\): {argument} must be a finite number"):
+        samplers.sequences(8, 4, 1, pad=pad, **kwargs)

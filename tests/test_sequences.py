@@ -391,6 +391,101 @@ def test_n_step_on_sampled_windows_equals_reference(mesh):
     assert min(kinds.values()) > 20, kinds  # every kind of window was checked
 
 
+
+def small_windows(batch=4, steps=3):
+    """A padded batch of ``batch`` windows of ``steps`` steps, no episode end, and its all-True mask."""
+    data = {"reward": jnp.ones((batch, steps)), "terminated": jnp.zeros((batch, steps), bool),
+            "truncated": jnp.zeros((batch, steps), bool), "next_obs": jnp.zeros((batch, steps, 2)),
+            "obs": jnp.zeros((batch, steps, 2))}
+    return data, jnp.ones((batch, steps), bool)
+
+
+@pytest.mark.parametrize("gamma", [float("nan"), -0.5, 1.5, float("inf"), None, "0.9", True, jnp.ones((2,))],
+                         ids=str)
+def test_n_step_gamma_must_be_a_finite_number_in_0_1(gamma):
+    data, mask = small_windows()
+    with pytest.raises(ConfigError, match=r"n_step\(\): gamma must be a .*in \[0, 1\]"):
+        n_step(data, mask, gamma)
+
+
+@pytest.mark.parametrize("gamma", [0, 1, 0.5, np.float32(0.9), jnp.float32(0.9)], ids=str)
+def test_n_step_accepts_any_gamma_in_0_1(gamma):
+    data, mask = small_windows()
+    np.testing.assert_allclose(n_step(data, mask, gamma)["discount"], float(gamma) ** 3, rtol=1e-6)
+
+
+def test_n_step_takes_a_traced_gamma():
+    data, mask = small_windows()
+    out = jax.jit(lambda d, m, g: n_step(d, m, g))(data, mask, jnp.float32(0.5))
+    np.testing.assert_allclose(out["discount"], 0.125)
+
+
+@pytest.mark.parametrize("mask, expected", [
+    (jnp.ones((4,), bool), r"bool\[B, n\].*got bool\[4\]"),
+    (jnp.ones((4, 0), bool), r"n >= 1.*got bool\[4, 0\]"),
+    (jnp.full((4, 3), 0.5), r"bool\[B, n\].*got float32\[4, 3\]"),  # a float mask: n_steps 0, reward 0.5-weighted
+    ([[True] * 3] * 4, r"bool\[B, n\].*got list"),
+    (jnp.ones((4, 5), bool), r"data leaf \['next_obs'\] must have shape \[B, n, \.\.\.\] = \[4, 5, \.\.\.\] like "
+                             r"mask \[4, 5\], got \[4, 3, 2\]"),
+    (jnp.ones((3, 3), bool), r"= \[3, 3, \.\.\.\] like mask \[3, 3\], got \[4, 3, 2\]"),
+], ids=["1d", "no-steps", "float", "list", "steps", "batch"])
+def test_n_step_mask_must_be_bool_b_n_like_the_data(mask, expected):
+    data, _ = small_windows()
+    with pytest.raises(SpecError, match=rf"n_step\(\): .*{expected}"):
+        n_step(data, mask, 0.9)
+    if not isinstance(mask, list):
+        with pytest.raises(SpecError, match="mask"):  # at trace time as well
+            jax.jit(lambda d, m: n_step(d, m, 0.9))(data, mask)
+
+
+@pytest.mark.parametrize("drop", ["reward", "next_obs", "terminated"])
+def test_n_step_data_must_hold_its_leaves(drop):
+    data, mask = small_windows()
+    del data[drop]
+    with pytest.raises(SpecError, match=f"data has no leaf '{drop}' \\(the {drop} leaf\\)"):
+        n_step(data, mask, 0.9)
+    del data["truncated"]
+    with pytest.raises(SpecError, match=f"'{drop}'"):
+        n_step(data, mask, 0.9)
+
+
+def test_n_step_truncated_is_optional():
+    data, mask = small_windows()
+    del data["truncated"]
+    assert "truncated" not in n_step(data, mask, 0.9)
+
+
+@pytest.mark.parametrize("kwargs, error, expected", [
+    ({"reward": "nope"}, SpecError, r"data has no leaf 'nope' \(the reward leaf\)"),
+    ({"next_obs": "nope"}, SpecError, r"data has no leaf 'nope' \(the next_obs leaf\)"),
+    ({"terminated": 3}, ConfigError, r"terminated must be the name of a leaf of data \(a str\), got int 3"),
+], ids=str)
+def test_n_step_leaf_names_must_name_leaves(kwargs, error, expected):
+    data, mask = small_windows()
+    with pytest.raises(error, match=expected):
+        n_step(data, mask, 0.9, **kwargs)
+
+
+@pytest.mark.parametrize("change, expected", [
+    ("tuple", r"data must be a dict of \[B, n, \.\.\.\] leaves .*got tuple"),
+    ("reward-3d", r"the reward leaf 'reward' must be \[B, n\] = \[4, 3\] \(one per step\), got \[4, 3, 1\]"),
+    ("terminated-1d", r"data leaf \['terminated'\] must have shape \[B, n, \.\.\.\]"),
+    ("scalar-leaf", r"data leaf \['obs'\] must have shape"),
+], ids=str)
+def test_n_step_data_must_be_a_dict_of_windows(change, expected):
+    data, mask = small_windows()
+    if change == "tuple":
+        data = tuple(data.values())
+    elif change == "reward-3d":
+        data["reward"] = data["reward"][..., None]
+    elif change == "terminated-1d":
+        data["terminated"] = data["terminated"][:, 0]
+    else:
+        data["obs"] = jnp.float32(0)
+    with pytest.raises(SpecError, match=rf"n_step\(\): {expected}"):
+        n_step(data, mask, 0.9)
+
+
 def test_eligible_windows_are_reported_by_the_kernels(status_reads):
     """The eligible-window count is an index read, not arithmetic on calls: each ingest and sample kernel reports it,
     so a steady ingest/sample loop never launches the status kernel (it did on every sample: ~100 us each), and the
