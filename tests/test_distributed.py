@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -90,6 +91,22 @@ def test_route_prefers_the_producers_node():
     assert [route("c", nodes, [True, True, True, False], t) for t in range(3)] == [0, 1, 2]  # local one down
     with pytest.raises(ray_plane.ShardUnavailableError):
         route("a", nodes, [False] * 4, 0)
+
+
+def test_a_plane_on_a_ray_without_token_authentication_warns(monkeypatch):
+    from conduit_jax.errors import ConduitWarning
+
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    with pytest.warns(ConduitWarning, match="token authentication is off .* listen on every interface"):
+        ray_plane.warn_if_unauthenticated()
+    for mode in ("token", None):
+        if mode is None:
+            monkeypatch.delenv("RAY_AUTH_MODE")
+        else:
+            monkeypatch.setenv("RAY_AUTH_MODE", mode)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            ray_plane.warn_if_unauthenticated()
 
 
 def test_an_fsync_shard_flushes_its_log_and_replays_it_after_a_restart(tmp_path):

@@ -55,11 +55,12 @@ import json
 import os
 import tempfile
 import time
+import warnings
 from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from conduit_jax.errors import ConduitError, ConfigError, NotEnoughDataError, PriorityError
+from conduit_jax.errors import ConduitError, ConduitWarning, ConfigError, NotEnoughDataError, PriorityError
 from conduit_jax.engine import compile_size
 from conduit_jax.replay import Delivery
 from conduit_jax.spec import ExperienceSpec, checked_priorities
@@ -497,6 +498,20 @@ class _PendingCall:
     node_id: Optional[str] = None
 
 
+UNAUTHENTICATED = "Ray's token authentication is off"  # the start of the warning below (tests filter on it)
+
+
+def warn_if_unauthenticated(stacklevel: int = 2) -> None:
+    """A ``ConduitWarning`` when this process runs Ray with token authentication turned off (``RAY_AUTH_MODE=
+    disabled``): Ray 2.60's servers listen on every interface, so anyone who reaches the host can run code in the
+    cluster. The tests' throwaway clusters turn it off and filter the warning."""
+    if os.environ.get("RAY_AUTH_MODE", "").strip().lower() == "disabled":
+        warnings.warn(f"{UNAUTHENTICATED} (RAY_AUTH_MODE=disabled) and Ray's servers (GCS, raylets, workers) listen "
+                      f"on every interface: anyone who reaches this host can run code in the cluster. Keep "
+                      f"RAY_AUTH_MODE=token (Ray's default) and a private network (README, 'Network exposure')",
+                      ConduitWarning, stacklevel=stacklevel)
+
+
 class DistributedPlane:
     """An experience plane whose shards are Ray actors (see the module docstring).
 
@@ -542,6 +557,7 @@ class DistributedPlane:
             raise ConfigError(f"DistributedPlane(): durable must be True, False or 'fsync', got {durable!r}")
         if not ray.is_initialized():
             raise ConfigError("DistributedPlane(): call ray.init(...) first (the plane starts actors on that cluster)")
+        warn_if_unauthenticated(stacklevel=3)
         manifest = None
         if restore_from is not None:
             manifest = _read_manifest(restore_from)
