@@ -16,6 +16,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
+from conduit_jax.placement.planner import positive_int  # no JAX: --help stays fast
+
 DEFAULT_HOST_DEVICES = 8
 _DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 
@@ -46,42 +48,32 @@ class Command(NamedTuple):
 # ------------------------------------------------------------------------------------------------------------------
 # conduit demo
 # ------------------------------------------------------------------------------------------------------------------
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
 def _demo_arguments(parser: argparse.ArgumentParser) -> None:
     from conduit_jax.demo import SAMPLERS, SCHEDULES, DemoConfig  # no JAX: --help stays fast
 
     d = DemoConfig()
-    parser.add_argument("--iterations", type=_positive_int, default=d.iterations,
+    parser.add_argument("--iterations", type=positive_int, default=d.iterations,
                         help=f"actor -> ingest -> deliver -> learner iterations per schedule (default {d.iterations})")
     parser.add_argument("--schedule", choices=SCHEDULES, default=d.schedule,
                         help=f"the prefetching schedule run beside sync on the same workload; 'sync' runs sync only "
                              f"(default {d.schedule})")
-    parser.add_argument("--depth", type=_positive_int, default=d.depth,
+    parser.add_argument("--depth", type=positive_int, default=d.depth,
                         help=f"batches the schedule keeps in flight (default {d.depth})")
-    parser.add_argument("--rounds", type=_positive_int, default=d.rounds,
+    parser.add_argument("--rounds", type=positive_int, default=d.rounds,
                         help=f"interleaved rounds of the two runs (default {d.rounds})")
-    parser.add_argument("--devices", type=_positive_int, default=None,
+    parser.add_argument("--devices", type=positive_int, default=None,
                         help=f"shard the plane over the first N devices instead of the planner's placement for this "
                              f"host (on CPU there are {DEFAULT_HOST_DEVICES} emulated devices unless XLA_FLAGS or "
                              f"JAX_NUM_CPU_DEVICES sets a count)")
-    parser.add_argument("--batch-size", type=_positive_int, default=d.batch_size,
+    parser.add_argument("--batch-size", type=positive_int, default=d.batch_size,
                         help=f"items per delivered batch, a multiple of the shards (default {d.batch_size})")
-    parser.add_argument("--capacity", type=_positive_int, default=d.capacity,
+    parser.add_argument("--capacity", type=positive_int, default=d.capacity,
                         help=f"items the plane holds, a multiple of the shards (default {d.capacity})")
-    parser.add_argument("--actors", type=_positive_int, default=d.num_actors,
+    parser.add_argument("--actors", type=positive_int, default=d.num_actors,
                         help=f"actors, one ingest call each per iteration (default {d.num_actors})")
-    parser.add_argument("--envs-per-actor", type=_positive_int, default=d.envs_per_actor,
+    parser.add_argument("--envs-per-actor", type=positive_int, default=d.envs_per_actor,
                         help=f"vectorized envs per actor: items per ingest call (default {d.envs_per_actor})")
-    parser.add_argument("--hidden", type=_positive_int, default=d.hidden,
+    parser.add_argument("--hidden", type=positive_int, default=d.hidden,
                         help=f"width of the Q-network's two hidden layers (default {d.hidden})")
     parser.add_argument("--sampler", choices=SAMPLERS, default=d.sampler, help=f"default {d.sampler}")
     parser.add_argument("--seed", type=int, default=d.seed, help=f"default {d.seed}")
@@ -131,8 +123,8 @@ def _bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--only", default=None, help=f"comma-separated workloads (default: all, {_BENCH_WORKLOADS})")
     parser.add_argument("--emulated-mesh", action="store_true",
                         help="also run Conduit on 8 emulated CPU devices in W1/W2 (a correctness configuration)")
-    parser.add_argument("--capacity", type=_positive_int, default=None, help="override each workload's capacity")
-    parser.add_argument("--rounds", type=_positive_int, default=None, help="override the interleaved rounds")
+    parser.add_argument("--capacity", type=positive_int, default=None, help="override each workload's capacity")
+    parser.add_argument("--rounds", type=positive_int, default=None, help="override the interleaved rounds")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG charts")
     parser.add_argument("--xla-threads", default=None, metavar="N|default",
                         help="XLA:CPU intra-op pool threads for the JAX contenders (default: each workload's own; "

@@ -40,8 +40,9 @@ def _checked_gamma(gamma):
 
 def _checked_window(data, mask, keys: dict):
     """The (batch, steps) of ``mask``, after checking that ``mask`` is bool[B, n], that ``data`` is a dict of
-    [B, n, ...] leaves holding the ``keys`` leaves (the truncated one is optional) and that the reward / episode-end leaves are [B, n]; else a
-    SpecError (ConfigError for a key argument that is not a str) naming what differs."""
+    [B, n, ...] leaves holding the ``keys`` leaves (the truncated one is optional) and that the reward and
+    episode-end leaves are [B, n]; else a SpecError (ConfigError for a key argument that is not a str) naming what
+    differs."""
     for argument, key in keys.items():
         if not isinstance(key, str):
             raise ConfigError(f"{_WHERE}: {argument} must be the name of a leaf of data (a str), got "

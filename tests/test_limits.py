@@ -109,7 +109,8 @@ def test_a_balance_beyond_int32_for_the_capacity_is_refused():
     limiter = limits.sample_to_insert_ratio(1000, 1, 600)
     limiter.check(8)
     limiter.check(8, 2**20)
-    with pytest.raises(cj.ConfigError, match=r"capacity 4194304 .*int32 range.*lower samples_per_insert or the capacity"):
+    with pytest.raises(cj.ConfigError,
+                       match=r"capacity 4194304 .*int32 range.*lower samples_per_insert or the capacity"):
         limiter.check(8, 2**22)
 
 

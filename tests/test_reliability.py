@@ -176,10 +176,11 @@ def test_rate_limiter_that_could_deadlock_is_refused():
                                limiter=limits.sample_to_insert_ratio(4.0, min_size=8, error_buffer=2))
 
 
-# -- named cases: what an adversarial battery found ---------------------------------------------------------------------
+# -- named cases: what an adversarial battery found -----------------------------------------------------------------
 @pytest.fixture(scope="module")
 def buffers():
-    """A prioritized and a uniform functional buffer of capacity 64 (one device) with 40 items, and a capacity-32 one."""
+    """A prioritized and a uniform functional buffer of capacity 64 (one device) holding 40 items, and a smaller
+    one."""
     made = {}
     for name, sampler, capacity in (("per", samplers.prioritized(8), 64), ("uniform", samplers.uniform(8), 64),
                                     ("small", samplers.prioritized(8), 32)):

@@ -832,7 +832,7 @@ def _size(text: str) -> int:
     return int(value)
 
 
-def _count(text: str) -> int:
+def positive_int(text: str) -> int:
     """argparse ``type`` of a count (``--capacity``, ``--batch-size``, ...): an int >= 1."""
     try:
         value = int(text)
@@ -878,15 +878,15 @@ def build_parser(parser: Optional[argparse.ArgumentParser] = None) -> argparse.A
     parser.add_argument("--spec", required=True, type=_spec_argument,
                         help="item bytes (400), name:dtype[:shape],... (obs:uint8:84x84x4,act:int32), a JSON object "
                              "or @file.json")
-    parser.add_argument("--capacity", type=_count, required=True, help="items the plane holds")
-    parser.add_argument("--batch-size", type=_count, default=256, help="items per delivered batch (default 256)")
-    parser.add_argument("--batches-per-step", type=_count, default=1)
+    parser.add_argument("--capacity", type=positive_int, required=True, help="items the plane holds")
+    parser.add_argument("--batch-size", type=positive_int, default=256, help="items per delivered batch (default 256)")
+    parser.add_argument("--batches-per-step", type=positive_int, default=1)
     parser.add_argument("--sampler", default="uniform", choices=cost.SAMPLERS)
-    parser.add_argument("--window", type=_count, default=1, help="steps per sequence (sequences sampler)")
+    parser.add_argument("--window", type=positive_int, default=1, help="steps per sequence (sequences sampler)")
     parser.add_argument("--ingest-rate", type=_non_negative, default=0.0, help="items/s from all producers")
     parser.add_argument("--step-time", type=_non_negative, default=0.01,
                         help="learner compute per step in s (default 0.01)")
-    parser.add_argument("--learners", type=_count, default=None, help="learner devices: the first N (default: all)")
+    parser.add_argument("--learners", type=positive_int, default=None, help="learner devices: the first N (default: all)")
     parser.add_argument("--reserve", type=_size, default=0, help="memory each learner device keeps free (e.g. 40GB)")
     parser.add_argument("--host-reserve", type=_size, default=0, help="memory each node's DRAM keeps free")
     parser.add_argument("--local-draws", action="store_true",
