@@ -153,12 +153,13 @@ class DeliveryWorker:
 
 class Prefetched:
     """A batch the schedule dispatched ahead: the ``Delivery``, the plane's policy-version epoch when it was drawn
-    (delivered from a later epoch, it is re-checked for staleness), and whether it is known to be computed."""
+    (delivered from a later epoch, it is re-checked for staleness), whether it is known to be computed, and its
+    leaves once the worker has listed them."""
 
-    __slots__ = ("delivery", "epoch", "ready")
+    __slots__ = ("delivery", "epoch", "ready", "leaves")
 
     def __init__(self, delivery, epoch: int, ready: bool = False):
-        self.delivery, self.epoch, self.ready = delivery, epoch, ready
+        self.delivery, self.epoch, self.ready, self.leaves = delivery, epoch, ready, None
 
     def wait(self) -> Callable[[], None]:
         """Block until the batch is computed (without the plane's lock); returns what marks it ready (under it). A
@@ -236,6 +237,7 @@ class Scheduler:
         self.epoch = 0  # policy-version switches and state assignments: an older batch is re-checked when delivered
         self.recycle = None  # a batch deliver() handed over for the worker's next draw
         self.last_delivered = None  # what the last deliver() returned (a recycle of it needs no layout check)
+        self.last_delivered_leaves = None  # its leaves, when the worker listed them (the recycle check reads them)
         self._last_end: Optional[float] = None
         self._smoothed = {"exposed": 0.0, "learner": 0.0}  # exponential averages (s) the adaptive policy reads
         self.worker = DeliveryWorker(lock, self.poll, "conduit-delivery") if schedule.depth else None
@@ -323,6 +325,7 @@ class Scheduler:
             jax.block_until_ready(batch.delivery)
         delivery = batch.delivery if batch.epoch == self.epoch else self._refresh(batch.delivery)
         self.last_delivered = delivery
+        self.last_delivered_leaves = batch.leaves if delivery is batch.delivery else None
         if worker is None:
             self._delivered(timeline, start)
         else:
@@ -364,7 +367,9 @@ class Scheduler:
             recycle, self.recycle = self.recycle, None
             batch = Prefetched(self._draw(recycle=recycle), self.epoch)
             # XLA:CPU computes a small kernel inside its dispatch: then it is ready now, and no wait follows
-            batch.ready = all(leaf.is_ready() for leaf in jax.tree_util.tree_leaves(batch.delivery))
+            # (its leaves are listed here, off the learner's thread: a recycle of it checks them for donation)
+            batch.leaves = jax.tree_util.tree_leaves(batch.delivery)
+            batch.ready = all(leaf.is_ready() for leaf in batch.leaves)
             self.in_flight.append(batch)
             return _nothing  # the lock is released between dispatches, so the learner's calls get in
         batch = next((b for b in self.in_flight if not b.ready), None)

@@ -236,12 +236,17 @@ class ExperienceDataPlane:
             return
         if not isinstance(recycle, Delivery):
             raise SpecError(f"{where}: recycle must be a Delivery this plane returned, got {type(recycle).__name__}")
-        if self._schedule.holds(recycle):
+        schedule = self._schedule
+        if recycle is schedule.last_delivered:
+            # what the last deliver() returned has the engine's layout and is no longer the schedule's (a batch in
+            # flight or handed over is another object); only a donation can spoil it. Its leaves were listed by the
+            # worker, so this costs the learner's thread no tree walk
+            leaves = schedule.last_delivered_leaves or jax.tree_util.tree_leaves(recycle)
+            if not any(leaf.is_deleted() for leaf in leaves):
+                return
+        elif schedule.holds(recycle):
             raise SpecError(f"{where}: recycle is a batch still queued for deliver() (or already handed over for "
                             f"recycling); only a delivered batch the learner is done with can be recycled")
-        if recycle is self._schedule.last_delivered and \
-                not any(leaf.is_deleted() for leaf in jax.tree_util.tree_leaves(recycle)):
-            return  # what the last deliver() returned has the engine's layout (only a donation can spoil it)
         self.engine.check_recycle(recycle, where)
 
     def can_sample(self) -> bool:
