@@ -58,7 +58,7 @@ class Buffer(NamedTuple):
 
     init(seed=0) -> state: an empty state, placed with ``shardings``.
     ingest(state, batch) -> state: write every item of ``batch`` (a leading item axis of any static size). A queue
-      (``fifo``, ``epochs``) refuses, outside a trace, a batch that would overwrite undelivered items
+      (``fifo``) refuses, outside a trace, a batch that would overwrite undelivered items
       (``CapacityError``, nothing written); inside a trace nothing can be refused, so check ``can_ingest`` first.
     sample(state, batches=None) -> (state, Delivery): one batch; ``Delivery.valid`` is False when the state cannot
       deliver. ``batches=k`` (static): k successive draws at once, with a leading [k] axis (not with importance
