@@ -594,3 +594,23 @@ def test_buffer_refuses_what_it_cannot_store_and_changes_nothing():
     assert (buffer.get_num_timesteps(), buffer.get_num_episodes(), buffer.get_added_timesteps(), buffer.stats()) == \
         before
     assert {float(e.get_observations(0)) // 1000 for e in buffer.sample(16)} == {0.0}
+
+
+def test_sequences_of_episodes_refuse_bad_arguments_and_change_nothing():
+    """Sequence arguments RLlib would assert on or loop forever with are refused, naming the argument; the buffer's
+    counts and its random stream stay as they were (the next sample is the one it would have drawn)."""
+    buffer = conduit_rllib.ConduitEpisodeReplayBuffer(capacity=100)
+    buffer.add(_unique_episodes(0, 3, length=6))
+    state = buffer.get_state()
+    bad = [({"lookback": -1}, "lookback"), ({"batch_length_T": 2.5}, "batch_length_T"),
+           ({"min_batch_length_T": 6}, "min_batch_length_T=6"), ({"n_step": 3}, "n_step=1")]
+    for kwargs, named in bad:
+        with pytest.raises(ValueError, match=named):
+            buffer.sample(batch_size_B=8, **{"batch_length_T": 4, **kwargs}, sample_episodes=True)
+    assert buffer.get_sampled_timesteps() == 0
+    expected = [(e.id_, e.t_started, len(e)) for e in buffer.sample(8, batch_length_T=4, sample_episodes=True)]
+    buffer.set_state(state)
+    assert [(e.id_, e.t_started, len(e)) for e in buffer.sample(8, batch_length_T=4, sample_episodes=True)] == expected
+    with pytest.raises(NotImplementedError, match="ConduitEpisodeReplayBuffer"):
+        conduit_rllib.ConduitPrioritizedEpisodeReplayBuffer(capacity=100).sample(8, batch_length_T=4,
+                                                                                 sample_episodes=True)

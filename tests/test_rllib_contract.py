@@ -14,6 +14,7 @@ import sys
 
 import numpy as np
 import pytest
+from scipy import stats
 
 pytest.importorskip("torch")
 pytest.importorskip("ray.rllib")
@@ -268,6 +269,83 @@ def test_uniform_sequence_batches_as_rllib(cls):
         assert np.all(following | (is_first[:, 1:] & (obs[:, 1:] == 0)))
         assert np.all(np.where(is_first[:, 1:], is_last[:, :-1], True))
     assert buffer.get_sampled_timesteps() == 16 * 64 * (ROUNDS // 4)
+
+
+@pytest.mark.parametrize("cls", UNIFORM, ids=by_name)
+@pytest.mark.parametrize("lookback, min_length", [(0, 0), (1, 0), (3, 5)])
+def test_uniform_sequences_of_episodes_as_rllib(cls, lookback, min_length):
+    """``sample(sample_episodes=True, batch_length_T=T, lookback=L, min_batch_length_T=m)`` (what RLlib's DQN asks
+    for with a stateful module): slices of stored episodes from a uniformly drawn step t, up to T steps to the
+    episode's end, with up to L steps before t as lookback (clipped at the episode's first step), ``t + m`` inside
+    the episode, the slices' lengths + 1 adding up to the batch size as RLlib counts."""
+    rng = np.random.default_rng(11)
+    buffer = cls(capacity=10_000)
+    added = {}
+    for _ in range(60):
+        e = episode(rng, int(rng.integers(1, 40)), extras=True)
+        added[e.id_] = (len(e), e.is_terminated, e.is_truncated)
+        buffer.add(e)
+    T, B = 8, 40
+    for _ in range(ROUNDS // 4):
+        sampled = buffer.sample(batch_size_B=B, batch_length_T=T, lookback=lookback, min_batch_length_T=min_length,
+                                n_step=1, sample_episodes=True)
+        counts = [len(e) + 1 for e in sampled]
+        assert sum(counts) >= B > sum(counts[:-1])
+        for e in sampled:
+            length, terminated, truncated = added[e.id_]
+            t = e.t_started
+            assert len(e) == min(T, length - t)
+            assert t + min_length < length or not min_length
+            observations = e.get_observations()
+            assert np.all(observations == np.arange(t, t + len(e) + 1))  # step t's observation is t
+            assert np.all(e.get_actions() == np.arange(t, t + len(e)))
+            assert np.allclose(e.get_rewards(), 0.1 * (np.arange(t, t + len(e)) + 1))
+            assert e.observations.lookback == min(lookback, t)
+            if e.observations.lookback:
+                assert e.get_observations(-1, neg_index_as_lookback=True) == t - 1
+            reaches_end = t + len(e) == length
+            assert (e.is_terminated, e.is_truncated) == (terminated and reaches_end, truncated and reaches_end)
+            assert np.all(e.get_extra_model_outputs("n_step") == 1)
+            assert np.all(e.get_extra_model_outputs("weights") == 1.0)
+            assert np.all(np.asarray(e.get_extra_model_outputs(0)) == 0)
+            assert np.all(np.asarray(e.get_extra_model_outputs(1)) == 1)
+    assert buffer.get_sampled_timesteps() == B * (ROUNDS // 4)
+
+
+@pytest.mark.parametrize("cls", UNIFORM, ids=by_name)
+def test_sequences_of_episodes_start_at_uniformly_drawn_steps(cls):
+    """Each slice starts at a step drawn uniformly from every stored step (chi-square over the 24 steps of three
+    episodes of 4, 8 and 12 steps)."""
+    rng = np.random.default_rng(12)
+    buffer = cls(capacity=1_000)
+    lengths = {"a": 4, "b": 8, "c": 12}
+    for id_, length in lengths.items():
+        buffer.add(episode(rng, length, id_))
+    first = {"a": 0, "b": 4, "c": 12}
+    counts = np.zeros(24)
+    for _ in range(300):
+        for e in buffer.sample(batch_size_B=20, batch_length_T=2, n_step=1, sample_episodes=True):
+            counts[first[e.id_] + e.t_started] += 1
+    assert counts.sum() > 1_500
+    assert stats.chisquare(counts).pvalue > 1e-3
+
+
+@pytest.mark.parametrize("cls", UNIFORM, ids=by_name)
+def test_sequence_batch_rows_start_at_uniformly_drawn_steps(cls):
+    """Each row of the [B, T] batch starts at a step drawn uniformly from every stored step, whatever its place in
+    the batch (chi-square over the 24 steps of three episodes of 4, 8 and 12 steps, observations 0.., 100.., 200..,
+    for the first and the last row)."""
+    rng = np.random.default_rng(13)
+    buffer = cls(capacity=1_000)
+    for k, length in enumerate((4, 8, 12)):
+        buffer.add(episode(rng, length, str(k), offset=100.0 * k))
+    step = {100 * k + t: i for i, (k, t) in enumerate((k, t) for k, n in enumerate((4, 8, 12)) for t in range(n))}
+    counts = np.zeros((2, 24))
+    for _ in range(480):
+        starts = buffer.sample(batch_size_B=24, batch_length_T=6)["obs"][[0, -1], 0]
+        counts[[0, 1], [step[int(start)] for start in starts]] += 1
+    for row in counts:
+        assert stats.chisquare(row).pvalue > 1e-3
 
 
 # -- the tool that runs RLlib's own test files on the Conduit classes ---------------------------------------------------

@@ -54,6 +54,13 @@ a ``ValueError`` and changes nothing.
 * **Sequences** (uniform buffer, ``sample_episodes=False``, RLlib's default there): RLlib's ``[B, T]`` batch of
   ``obs``, ``actions``, ``rewards``, ``is_first``, ``is_last``, ``is_terminated``, ``is_truncated`` (rows that run
   into another episode from its first step), as NumPy arrays.
+* **Sequences of episodes** (uniform buffer, ``sample_episodes=True`` with ``batch_length_T=T``, what RLlib's DQN asks
+  for with a stateful module): RLlib's ``episode.slice(t, t + T)`` of a stored episode from a uniformly drawn step t
+  (cut at the episode's end; ``t_started`` is the stored episode's plus t), with ``lookback`` steps before t (fewer
+  near the episode's start, as RLlib clips them) and every stored column, infos and extra_model_outputs included;
+  a draw with ``t + min_batch_length_T`` past the episode's end is drawn again; slices are drawn until their lengths
+  + 1 add up to the batch size (RLlib's count). ``n_step`` must be 1, as in RLlib. These are drawn in ``sample()``
+  whatever the schedule.
 * **Schedules** (``"schedule"``): ``"sync"`` draws in ``sample()``; ``"overlap"`` draws the next batch right after
   each ``update_priorities`` (uniform: after each ``sample()``), so it runs while RLlib's training step samples the
   env and adds; ``"deferred"`` right after ``sample()`` (the priority update lands one batch later). A batch drawn
@@ -71,9 +78,9 @@ a ``ValueError`` and changes nothing.
   episode; a window past its episode's end is redrawn, as RLlib does in both multi-agent classes.
   ``update_priorities(td, module_id)`` as RLlib's DQN calls it; the schedules work per module.
 
-Not supported yet (``NotImplementedError``): sequences of episodes (``sample_episodes=True`` with ``batch_length_T``
-> 1, ``lookback`` > 0; multi-agent: any ``batch_length_T`` > 1), the multi-agent ``replay_mode="synchronized"``,
-non-array observations (Dict / Tuple spaces); ``deliver="torch"`` is single-agent only.
+Not supported yet (``NotImplementedError``): sequences from the prioritized buffer (RLlib's samples none either) and
+the multi-agent ones (any ``batch_length_T`` > 1), the multi-agent ``replay_mode="synchronized"``, non-array
+observations (Dict / Tuple spaces); ``deliver="torch"`` is single-agent only.
 """
 
 from __future__ import annotations
@@ -91,6 +98,7 @@ from ray.rllib.core import DEFAULT_AGENT_ID, DEFAULT_MODULE_ID
 from ray.rllib.core.columns import Columns
 from ray.rllib.env.multi_agent_episode import MultiAgentEpisode
 from ray.rllib.env.single_agent_episode import SingleAgentEpisode
+from ray.rllib.env.utils.infinite_lookback_buffer import InfiniteLookbackBuffer
 from ray.rllib.utils import force_list
 from ray.rllib.utils.metrics.metrics_logger import MetricsLogger
 from ray.rllib.utils.replay_buffers.episode_replay_buffer import EpisodeReplayBuffer
@@ -161,6 +169,7 @@ class StoredEpisode:
     agent_id: Any = None  # the agent, module and multi-agent episode the steps belong to (as RLlib's episode says)
     module_id: Any = None
     multi_agent_episode_id: Any = None
+    t_started: int = 0  # the env step its first stored step was taken at (its first chunk's ``t_started``)
 
     def __len__(self) -> int:
         return self.length
@@ -184,6 +193,7 @@ class _Chunk:
     keys: dict = dataclasses.field(default_factory=dict)  # extra / info column -> the key it came from
     spaces: tuple = (None, None)  # the episode's observation and action spaces
     owner: tuple = (None, None, None)  # agent_id, module_id, multi_agent_episode_id
+    t_started: int = 0
     record: Optional[StoredEpisode] = None  # where it goes (set while planning the add)
 
 
@@ -277,6 +287,13 @@ def _pieces(n: int):
         bit >>= 1
 
 
+def _shuffled(rows: jax.Array, seed, counter) -> jax.Array:
+    """A drawn batch's rows in random order. The sampler's draws are stratified (draw j lands in the j-th equal
+    slice of the priority mass), so a kernel that uses only some of them, or groups them, takes them in a random
+    order to keep every one uniform over the buffer."""
+    return jax.random.permutation(jax.random.fold_in(jax.random.key(seed), counter), rows)
+
+
 def _bucket(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
@@ -359,6 +376,7 @@ class _ConduitEpisodeBuffer:
         # host side: for each ring row the insertion index of its episode's first step, and the episodes by it (a
         # sampled step's episode id, agent and module)
         self._owner = np.full(self.storage_capacity, -1, np.int64)
+        self._position = np.zeros(self.storage_capacity, np.int64)  # each ring row's step index in its episode
         self._by_first: dict = {}
         self._last_ids = None
         self._last_request: Optional[_Request] = None
@@ -447,8 +465,8 @@ class _ConduitEpisodeBuffer:
             if redraw:
                 order = jnp.argsort(jnp.where(fits, jax.random.uniform(key, rows.shape), 2.0))[:size]
                 enough = jnp.sum(fits) >= size
-            else:
-                order, enough = jnp.arange(size), jnp.asarray(True)
+            else:  # every candidate, in random order: the host may drop the shard padding off the end
+                order, enough = jax.random.permutation(key, size), jnp.asarray(True)
             weights = jnp.power(delivery.weights, beta) if prioritized else jnp.ones(rows.shape, jnp.float32)
             columns = {Columns.OBS: delivery.data["obs"], Columns.NEXT_OBS: end["next_obs"],
                        Columns.ACTIONS: delivery.data["action"], Columns.REWARDS: ret,
@@ -480,9 +498,9 @@ class _ConduitEpisodeBuffer:
         def pick(condition, a, b):
             return jnp.where(condition.reshape(condition.shape + (1,) * (a.ndim - 1)), a, b)
 
-        def sequences(state, links):
+        def sequences(state, links, seed, counter):
             state, delivery = buffer.sample(state)
-            pool = delivery.ids[:, 0].reshape(size, draws)
+            pool = _shuffled(delivery.ids[:, 0], seed, counter).reshape(size, draws)
             start = pool[:, 0]
             before = links[1, start]
             first = buffer.read(state, jnp.maximum(before, 0))
@@ -516,6 +534,39 @@ class _ConduitEpisodeBuffer:
             return state, {k: jnp.swapaxes(v, 0, 1) for k, v in out.items()}
 
         return jax.jit(sequences, donate_argnums=0)
+
+    def _make_slices(self, size: int, lookback: int, length: int):
+        """RLlib's sequences of episodes: for each of ``size`` uniformly drawn steps, the ring rows of up to
+        ``lookback`` steps before it and up to ``length`` steps from it, in its episode (-1 past either end, followed
+        through the links), every stored column at those rows, and the window's last step's ``next_*`` columns."""
+        buffer = self._buffer(size)
+        names = self._spec.names
+        at_end = [k for k in names if k.startswith(("next_", EXACT + "next_")) or k in ("terminated", "truncated")]
+        per_step = [k for k in names if k not in at_end]
+
+        def slices(state, links, seed, counter):
+            state, delivery = buffer.sample(state)
+            start = _shuffled(delivery.ids[:, 0], seed, counter)  # RLlib takes as many as its count needs
+
+            def follow(direction: int, count: int):
+                """[size, count]: the rows 1..count steps away from ``start`` (direction 0: later, 1: earlier)."""
+                def step(row, _):
+                    row = jnp.where(row >= 0, links[direction, jnp.maximum(row, 0)], -1)
+                    return row, row
+
+                if count == 0:
+                    return jnp.zeros((size, 0), jnp.int32)
+                return jax.lax.scan(step, start, None, length=count)[1].T
+
+            rows = jnp.concatenate([follow(1, lookback)[:, ::-1], start[:, None], follow(0, length - 1)], axis=1)
+            taken = jnp.sum(rows[:, lookback:] >= 0, axis=1)
+            last = jnp.take_along_axis(rows, (lookback + taken - 1)[:, None], axis=1)[:, 0]
+            data = buffer.read(state, jnp.maximum(rows, 0).reshape(-1))
+            data = {k: data[k].reshape(rows.shape + data[k].shape[1:]) for k in per_step}
+            end = buffer.read(state, last)
+            return state, rows, delivery.valid, data, {k: end[k] for k in at_end}
+
+        return jax.jit(slices, donate_argnums=0)
 
     # -- add ------------------------------------------------------------------------------------------------------
     def _chunk(self, episode) -> _Chunk:
@@ -575,7 +626,8 @@ class _ConduitEpisodeBuffer:
                     {f"info__{key}": slice(None, -1), f"next_info__{key}": slice(1, None)})
         return _Chunk(episode.id_, columns, length, bool(episode.is_terminated), bool(episode.is_truncated), origin,
                       spaces=(episode.observation_space, episode.action_space),
-                      owner=(episode.agent_id, episode.module_id, episode.multi_agent_episode_id))
+                      owner=(episode.agent_id, episode.module_id, episode.multi_agent_episode_id),
+                      t_started=int(episode.t_started))
 
     def _check_spec(self, spec: ExperienceSpec, chunk: _Chunk) -> None:
         name = self._name
@@ -614,6 +666,7 @@ class _ConduitEpisodeBuffer:
             if record is None:
                 record = StoredEpisode(chunk.id_)
                 record.agent_id, record.module_id, record.multi_agent_episode_id = chunk.owner
+                record.t_started = chunk.t_started
                 live[chunk.id_] = record
                 order.append(record)
                 episodes_added += 1
@@ -716,8 +769,15 @@ class _ConduitEpisodeBuffer:
                 self._state = ingest(self._state, {k: v[first:first + count] for k, v in batch.items()})
             full, patch = self._link_rows(np.concatenate(plan.rows, axis=1), plan.patches)
             self._links = self._kernel("link")(self._links, full, patch)
-            # each written row names its episode by the insertion index of the episode's first step
-            self._owner[full[0][full[0] < self.storage_capacity]] = np.concatenate(plan.rows, axis=1)[3]
+            # each written row names its episode by the insertion index of the episode's first step, and its place
+            rows = full[0][full[0] < self.storage_capacity]
+            self._owner[rows] = np.concatenate(plan.rows, axis=1)[3]
+            positions, reached = [], {}
+            for chunk in written:
+                at = reached.get(id(chunk.record), chunk.record.length)
+                positions.append(np.arange(at, at + chunk.length))
+                reached[id(chunk.record)] = at + chunk.length
+            self._position[rows] = np.concatenate(positions)
         gone = [record.items() for record in plan.evicted if record.segments]
         if gone:
             ids = self._ids(np.concatenate(gone))
@@ -791,10 +851,13 @@ class _ConduitEpisodeBuffer:
             raise ValueError(f"{name}.sample(): the batch size must be an int >= 1, got {size!r}")
         if not sample_episodes and not self._prioritized:
             return self._sample_batch(size, batch_length_T or self.batch_length_T, start)
+        if batch_length_T and not self._prioritized:
+            return self._sample_slices(size, batch_length_T, lookback, min_batch_length_T, n_step, start)
         if batch_length_T not in (None, 0, 1) or lookback:
-            raise NotImplementedError(f"{name}.sample(): sequences of episodes (sample_episodes=True with "
-                                      f"batch_length_T={batch_length_T}, lookback={lookback}) are not supported yet; "
-                                      f"the uniform buffer's sample_episodes=False gives RLlib's [B, T] batch")
+            raise NotImplementedError(
+                f"{name}.sample(): sequences of episodes (batch_length_T={batch_length_T}, lookback={lookback}) come "
+                f"from ConduitEpisodeReplayBuffer (sample_episodes=True with batch_length_T >= 1); RLlib's "
+                f"prioritized buffer samples none either, and lookback applies to sequences only")
         if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not np.isfinite(beta) or beta < 0:
             raise ValueError(f"{name}.sample(): beta must be a finite number >= 0, got {beta!r}")
         if self._num_timesteps == 0:
@@ -844,12 +907,86 @@ class _ConduitEpisodeBuffer:
         if self._num_timesteps == 0:
             raise ValueError(f"{name}.sample(): the buffer is empty; add() episodes first")
         padded = size + (-size) % self.num_shards
-        self._state, out = self._kernel("sequences", padded, int(length))(self._state, self._links)
+        self._state, out = self._kernel("sequences", padded, int(length))(self._state, self._links,
+                                                                          np.uint32(self.seed), np.uint32(self._draws))
+        self._draws += 1
         out = _exact_values({k: np.asarray(v)[:size] for k, v in jax.device_get(out).items()}, 0.0)
         self.sampled_timesteps += size * length
         self._log_sample(size * length, None, 0)
         self.timings["sample"] += time.perf_counter() - start
         return out
+
+    def _sample_slices(self, size: int, length, lookback, min_length, n_step, start: float) -> list:
+        """RLlib's ``EpisodeReplayBuffer._sample_episodes`` with ``batch_length_T``: episode slices from uniformly
+        drawn steps, until the slices' lengths + 1 add up to ``size`` (RLlib's count)."""
+        name = self._name
+        for key, value, low in (("batch_length_T", length, 1), ("lookback", lookback, 0),
+                                ("min_batch_length_T", min_length, 0)):
+            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < low:
+                raise ValueError(f"{name}.sample(): {key} must be an int >= {low}, got {value!r}")
+        if n_step not in (None, 1):
+            raise ValueError(f"{name}.sample(): sequences (batch_length_T={length}) take n_step=1, as RLlib's, got "
+                             f"{n_step!r}")
+        if self._num_timesteps == 0:
+            raise ValueError(f"{name}.sample(): the buffer is empty; add() episodes first")
+        if min_length and not any(record.length > min_length for record in self._order):
+            raise ValueError(f"{name}.sample(): no stored episode is longer than min_batch_length_T={min_length} "
+                             f"steps, so no sequence can start (the longest has "
+                             f"{max(record.length for record in self._order)}); add longer episodes")
+        candidates = -(-size // 2)  # a slice counts >= 2 towards size
+        candidates += (-candidates) % self.num_shards
+        kernel = self._kernel("slices", candidates, int(lookback), int(length))
+        out, counted, steps_seen, episodes_seen = [], 0, set(), set()
+        while counted < size:
+            self._state, rows, valid, data, end = kernel(self._state, self._links, np.uint32(self.seed),
+                                                         np.uint32(self._draws))
+            self._draws += 1
+            rows, valid, data, end = jax.device_get((rows, valid, data, end))
+            if not valid:
+                raise ValueError(f"{name}.sample(): the buffer has no step to draw")
+            data, end = _exact_values(dict(data), 0.0), _exact_values(dict(end), 0.0)
+            for i in range(candidates):
+                row = rows[i, lookback]
+                record = self._by_first[self._owner[row]]
+                t = int(self._position[row])
+                if min_length and t + min_length >= record.length:
+                    continue  # RLlib draws again
+                episode = self._slice(record, t, i, min(lookback, t), int(np.sum(rows[i, lookback:] >= 0)),
+                                      int(lookback), data, end)
+                out.append(episode)
+                steps_seen.add((record.id_, t))
+                episodes_seen.add(record.id_)
+                counted += len(episode) + 1
+                if counted >= size:
+                    break
+        self.sampled_timesteps += size
+        self._log_sample(size, len(out) / size, 0, episodes=len(episodes_seen), unique_steps=len(steps_seen))
+        self.timings["sample"] += time.perf_counter() - start
+        return out
+
+    def _slice(self, record: StoredEpisode, t: int, i: int, back: int, ahead: int, lookback: int, data: dict,
+               end: dict) -> SingleAgentEpisode:
+        """Row ``i`` of a slices kernel's output as RLlib's ``episode.slice(slice(t, t + ahead),
+        len_lookback_buffer=lookback)`` (the lookback clipped at the episode's first step, as RLlib clips it),
+        with RLlib's ``n_step`` (1) and ``weights`` (1.0) model outputs."""
+        steps = slice(lookback - back, lookback + ahead)
+        infos = [k for k in data if k.startswith("info__")]
+        episode = SingleAgentEpisode(
+            id_=record.id_, agent_id=record.agent_id, module_id=record.module_id,
+            multi_agent_episode_id=record.multi_agent_episode_id,
+            observations=list(data["obs"][i, steps]) + [end["next_obs"][i]],
+            observation_space=self.observation_space,
+            infos=[{self._keys[k]: data[k][i, j] for k in infos} for j in range(steps.start, steps.stop)] +
+            [{self._keys[k]: end["next_" + k][i] for k in infos}] if infos else None,
+            actions=list(data["action"][i, steps]), action_space=self.action_space,
+            rewards=list(data["reward"][i, steps]), terminated=bool(end["terminated"][i]),
+            truncated=bool(end["truncated"][i]),
+            extra_model_outputs={self._keys[k]: list(data[k][i, steps]) for k in data if k.startswith("extra__")},
+            len_lookback_buffer=back, t_started=record.t_started + t)
+        episode.to_numpy()
+        episode.extra_model_outputs["n_step"] = InfiniteLookbackBuffer(np.full(ahead + lookback, 1), lookback=lookback)
+        episode.extra_model_outputs["weights"] = InfiniteLookbackBuffer(np.ones(ahead + lookback), lookback=lookback)
+        return episode
 
     def _draw(self, request: "_Request") -> "_Drawn":
         """Dispatch one draw kernel for ``request`` (JAX runs it asynchronously; reading a result waits for it)."""
@@ -890,16 +1027,19 @@ class _ConduitEpisodeBuffer:
         return {k: v for k, v in columns.items() if not (k.startswith(("info__", "next_info__")) and not infos)
                 and not (k.startswith("extra__") and not extras) and not k.startswith(EXACT)}
 
-    def _log_sample(self, steps: int, mean_n: Optional[float], resamples: int) -> None:
-        """RLlib's sample metrics; ``mean_n`` None for sequence batches (RLlib logs no n-step there)."""
+    def _log_sample(self, steps: int, mean_n: Optional[float], resamples: int, episodes: int = 0,
+                    unique_steps: Optional[int] = None) -> None:
+        """RLlib's sample metrics; ``mean_n`` None for sequence batches (RLlib logs no n-step there); ``episodes`` and
+        ``unique_steps``: the distinct episodes and steps drawn, where RLlib counts them."""
         agent, module = DEFAULT_AGENT_ID, DEFAULT_MODULE_ID
+        unique = steps if unique_steps is None else unique_steps
         EpisodeReplayBuffer._update_sample_metrics(
-            self, num_env_steps_sampled=steps, num_episodes_per_sample=0, num_env_steps_per_sample=steps,
+            self, num_env_steps_sampled=steps, num_episodes_per_sample=episodes, num_env_steps_per_sample=unique,
             sampled_n_step=mean_n, num_resamples=resamples, agent_to_num_steps_sampled={agent: steps},
-            agent_to_num_episodes_per_sample={agent: 0}, agent_to_num_steps_per_sample={agent: steps},
+            agent_to_num_episodes_per_sample={agent: episodes}, agent_to_num_steps_per_sample={agent: unique},
             agent_to_sampled_n_step=None if mean_n is None else {agent: mean_n},
             agent_to_num_resamples={agent: resamples}, module_to_num_steps_sampled={module: steps},
-            module_to_num_episodes_per_sample={module: 0}, module_to_num_steps_per_sample={module: steps},
+            module_to_num_episodes_per_sample={module: episodes}, module_to_num_steps_per_sample={module: unique},
             module_to_sampled_n_step=None if mean_n is None else {module: mean_n},
             module_to_num_resamples={module: resamples})
 
@@ -908,7 +1048,8 @@ class _ConduitEpisodeBuffer:
         carrying its stored episode's id, agent, module and multi-agent episode."""
         host = _exact_values({k: np.asarray(v) for k, v in jax.device_get(drawn.columns).items()},
                              drawn.request.gamma)
-        records = [self._by_first[first] for first in self._owner[np.asarray(drawn.ids)[:, 0]]]
+        rows = np.asarray(drawn.ids)[:, 0]
+        records, starts = [self._by_first[first] for first in self._owner[rows]], self._position[rows]
         obs, next_obs, actions = host[Columns.OBS], host[Columns.NEXT_OBS], host[Columns.ACTIONS]
         rewards, weights, steps = host[Columns.REWARDS], host["weights"], host["n_step"]
         terminated, truncated = host[Columns.TERMINATEDS], host[Columns.TRUNCATEDS]
@@ -926,7 +1067,7 @@ class _ConduitEpisodeBuffer:
                        {self._keys[k]: host["next_" + k][i] for k in info_columns}] if infos else None,
                 actions=[actions[i]], action_space=self.action_space, rewards=[rewards[i]],
                 terminated=bool(terminated[i]), truncated=bool(truncated[i]), extra_model_outputs=outputs,
-                len_lookback_buffer=0, t_started=0)
+                len_lookback_buffer=0, t_started=int(starts[i]))
             if to_numpy:
                 episode.to_numpy()
             out.append(episode)
@@ -993,7 +1134,8 @@ class _ConduitEpisodeBuffer:
         """The buffer as NumPy arrays plus JSON-able metadata: nothing pickled, nothing JAX."""
         episodes = [{"id": record.id_, "length": record.length, "terminated": record.is_terminated,
                      "truncated": record.is_truncated, "segments": np.asarray(record.segments, np.int64).reshape(-1),
-                     "owner": [record.agent_id, record.module_id, record.multi_agent_episode_id]}
+                     "owner": [record.agent_id, record.module_id, record.multi_agent_episode_id],
+                     "t_started": record.t_started}
                     for record in self._order]
         state = {"format": STATE_FORMAT, "version": STATE_VERSION, "config": self._config(),
                  "counters": {"num_timesteps": self._num_timesteps, "num_timesteps_added": self._num_timesteps_added,
@@ -1059,7 +1201,8 @@ class _ConduitEpisodeBuffer:
         for saved in state["episodes"]:
             segments = [tuple(int(x) for x in pair) for pair in np.asarray(saved["segments"]).reshape(-1, 2)]
             record = StoredEpisode(saved["id"], int(saved["length"]), bool(saved["terminated"]),
-                                   bool(saved["truncated"]), segments, *saved["owner"])
+                                   bool(saved["truncated"]), segments, *saved["owner"],
+                                   int(saved.get("t_started", 0)))
             self._order.append(record)
             self._live[record.id_] = record
             if segments:
@@ -1071,7 +1214,9 @@ class _ConduitEpisodeBuffer:
         self._items, self._draws = int(counters["items"]), int(counters["draws"])
         for first, record in self._by_first.items():
             items = record.items()
-            self._owner[self._rows(items[items >= self._items - self.storage_capacity])] = first
+            kept = items >= self._items - self.storage_capacity
+            rows = self._rows(items[kept])
+            self._owner[rows], self._position[rows] = first, np.arange(items.size)[kept]
         self.rng.bit_generator.state = state["rng"]
 
 
