@@ -100,7 +100,6 @@ from ray.rllib.env.multi_agent_episode import MultiAgentEpisode
 from ray.rllib.env.single_agent_episode import SingleAgentEpisode
 from ray.rllib.env.utils.infinite_lookback_buffer import InfiniteLookbackBuffer
 from ray.rllib.utils import force_list
-from ray.rllib.utils.metrics.metrics_logger import MetricsLogger
 from ray.rllib.utils.replay_buffers.episode_replay_buffer import EpisodeReplayBuffer
 from ray.rllib.utils.replay_buffers.multi_agent_episode_buffer import MultiAgentEpisodeReplayBuffer
 from ray.rllib.utils.replay_buffers.multi_agent_prioritized_episode_buffer import (
@@ -108,6 +107,7 @@ from ray.rllib.utils.replay_buffers.multi_agent_prioritized_episode_buffer impor
 from ray.rllib.utils.replay_buffers.prioritized_episode_buffer import PrioritizedEpisodeReplayBuffer
 
 from conduit_jax import ExperienceSpec, default_mesh, make_buffer, samplers
+from conduit_rllib.metrics import CoalescedMetricsLogger
 
 logger = logging.getLogger(__name__)
 
@@ -339,7 +339,7 @@ class _ConduitEpisodeBuffer:
         self.deliver = deliver
         self.schedule = schedule
         self.rng = np.random.default_rng(seed)
-        self.metrics = MetricsLogger(root=False)
+        self.metrics = CoalescedMetricsLogger(root=False)
         self._metrics_num_episodes_for_smoothing = metrics_num_episodes_for_smoothing
         self.observation_space = None
         self.action_space = None
@@ -401,9 +401,7 @@ class _ConduitEpisodeBuffer:
     def _layout(self, spec: Optional[ExperienceSpec] = None) -> tuple:
         """What the functional buffer and the kernels depend on: buffers configured alike share them (and their
         compiled code), within one process."""
-        spec = spec or self._spec
-        return (self._prioritized, self.alpha, self.storage_capacity, self.num_shards, tuple(spec.names),
-                tuple(map(tuple, spec.shapes)), tuple(map(str, spec.dtypes)))
+        return (self._prioritized, self.alpha, self.storage_capacity, self.num_shards, spec or self._spec)
 
     def _start(self, spec: ExperienceSpec) -> None:
         self._spec = spec
@@ -1313,7 +1311,7 @@ class _ConduitMultiAgentBuffer:
             setattr(self, key, getattr(check, key))
         self.deliver, self.agents_per_module = deliver, agents_per_module
         self.rng = np.random.default_rng(seed)
-        self.metrics = MetricsLogger(root=False)
+        self.metrics = CoalescedMetricsLogger(root=False)
         self._metrics_num_episodes_for_smoothing = metrics_num_episodes_for_smoothing
         self.timings = collections.defaultdict(float)  # seconds spent in add / sample / update_priorities
         self._reset()
