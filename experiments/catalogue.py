@@ -64,6 +64,10 @@ EXPERIMENTS: tuple[Experiment, ...] = (
                "< 8 min on an H200 (est.)", "70-110 s (CPU)",
                outputs=("gpu_breakdown", "gpu_placement_sweep", "gpu_run"), needs=("matplotlib",),
                quick_flags=("--quick", "--dry-run")),
+    Experiment("rllib_schedules", "rllib_schedules", "2",
+               "RLlib's off-policy loop through the buffers' API: native PER vs Conduit under sync / overlap / "
+               "deferred / adaptive, 1 and 4 learner updates per env round, exposed and iteration time",
+               "~2 min", "~20 s", outputs=("rllib_schedules",), needs=_RLLIB[:3]),
     Experiment("jitted", "jitted", "-",
                "a fully jitted learner: env step, add, sample, priority update and learner step in one lax.scan "
                "(--algo dqn|dqn-per|ppo, --buffer conduit|flashbax); prints a JSON summary, --json FILE keeps it",

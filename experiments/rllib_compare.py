@@ -628,7 +628,7 @@ def parse_args(argv) -> argparse.Namespace:
     parser.add_argument("--alpha-lr", type=float, default=9e-4, help="SAC")
     parser.add_argument("--paths", nargs="+", default=None, choices=PATHS,
                         help="what to run (default: all three for DQN / SAC; native and conduit for PPO)")
-    parser.add_argument("--schedule", default="overlap", choices=("overlap", "deferred"),
+    parser.add_argument("--schedule", default="overlap", choices=("overlap", "deferred", "adaptive"),
                         help="DQN / SAC: the conduit_scheduled path's delivery schedule")
     parser.add_argument("--ppo-batch-size", type=int, default=None)
     parser.add_argument("--ppo-minibatch-size", type=int, default=128)

@@ -278,11 +278,12 @@ def _unique_episodes(first, count, length=10):
     return out
 
 
-@pytest.mark.parametrize("schedule", ["overlap", "deferred"])
+@pytest.mark.parametrize("schedule", ["overlap", "deferred", "adaptive"])
 def test_scheduled_buffers_hand_over_batches_drawn_ahead_without_evicted_steps(schedule):
     """A batch drawn ahead is handed over only to the same request, never holds a step evicted since it was drawn,
     and counts as sampled once, when it is handed over. Under overlap it is drawn after the priority update, so it
-    follows it at once; under deferred one batch later (the staleness bound k = 1)."""
+    follows it at once; under deferred one batch later (the staleness bound k = 1); adaptive does one or the other,
+    and stats() says which."""
     buffer = conduit_rllib.ConduitPrioritizedEpisodeReplayBuffer(capacity=100, alpha=1.0, schedule=schedule,
                                                                deliver="torch", seed=3)
     buffer.add(_unique_episodes(0, 10))
@@ -299,14 +300,55 @@ def test_scheduled_buffers_hand_over_batches_drawn_ahead_without_evicted_steps(s
     # one step at priority 1000, the rest at 1: the next batch (overlap) or the one after (deferred) is mostly it
     target = float(_torch_columns(buffer.sample(num_items=16, n_step=1))["obs"][0])
     batch = _torch_columns(buffer.sample(num_items=100, n_step=1))  # another size: drawn now
+    drawn_after_updates = buffer.stats()["drawn_ahead_after_update"]
     buffer.update_priorities(np.where(batch["obs"] == target, 1000.0, 1.0))
+    after_this_update = buffer.stats()["drawn_ahead_after_update"] > drawn_after_updates
+    assert after_this_update == (schedule == "overlap") or schedule == "adaptive"
     shares = [np.mean(_torch_columns(buffer.sample(num_items=100, n_step=1))["obs"] == target) for _ in range(2)]
-    if schedule == "overlap":
+    if after_this_update:
         assert shares[0] > 0.5 and shares[1] > 0.5
     else:
         assert shares[0] < 0.5 < shares[1]
-    with pytest.raises(ValueError, match="schedule"):
-        conduit_rllib.ConduitEpisodeReplayBuffer(schedule="adaptive")
+    stats = buffer.stats()
+    assert stats["drawn_ahead_after_update"] + stats["drawn_ahead_after_sample"] >= 60
+    assert 0 <= stats["drawn_ahead_waited"] <= stats["drawn_ahead_after_update"] + stats["drawn_ahead_after_sample"]
+    with pytest.raises(ValueError, match="schedule must be one of"):
+        conduit_rllib.ConduitEpisodeReplayBuffer(schedule="eager")
+
+
+def test_adaptive_schedule_rule():
+    """Overlap while sample() waits at most 10% of a learner update for the batch drawn ahead; deferred once it
+    waits more; overlap tried again after 32 deferred batches."""
+    choose = conduit_rllib.buffers.adaptive_choice
+    assert choose("overlap", 0.0, 0.005, 0) == "overlap"
+    assert choose("overlap", 0.0004, 0.005, 0) == "overlap"
+    assert choose("overlap", 0.0006, 0.005, 0) == "deferred"
+    assert choose("deferred", 0.0, 0.005, 31) == "deferred"
+    assert choose("deferred", 0.0, 0.005, 32) == "overlap"
+
+
+def test_adaptive_schedule_follows_its_rule(monkeypatch):
+    """The buffer draws each next batch ahead where adaptive_choice says: after sample() (deferred) or after the
+    priority update (overlap), and hands it over to the next sample()."""
+    script = ["deferred", "overlap", "overlap", "deferred", "deferred", "overlap"]
+    calls = iter(script)
+    monkeypatch.setattr(conduit_rllib.buffers, "adaptive_choice", lambda *args: next(calls))
+    buffer = conduit_rllib.ConduitPrioritizedEpisodeReplayBuffer(capacity=100, alpha=1.0, schedule="adaptive",
+                                                               deliver="torch", seed=3)
+    buffer.add(_unique_episodes(0, 10))
+    buffer.sample(num_items=16, n_step=1)  # nothing drawn ahead yet; adaptive starts as overlap
+    buffer.update_priorities(np.ones(16))
+    where = []
+    for _ in script:
+        before = buffer.stats()
+        buffer.sample(num_items=16, n_step=1)
+        buffer.update_priorities(np.ones(16))
+        after = buffer.stats()
+        grew = [key for key in ("drawn_ahead_after_update", "drawn_ahead_after_sample") if after[key] > before[key]]
+        assert len(grew) == 1 and after[grew[0]] == before[grew[0]] + 1
+        where.append({"drawn_ahead_after_update": "overlap", "drawn_ahead_after_sample": "deferred"}[grew[0]])
+    assert where == script
+    assert buffer.get_sampled_timesteps() == 16 * (len(script) + 1)
 
 
 def test_buffer_state_round_trip_and_files(tmp_path):
@@ -438,11 +480,12 @@ def _trained_steps(result) -> int:
     return int(result["learners"]["default_policy"]["num_module_steps_trained_lifetime"])
 
 
-@pytest.mark.parametrize("schedule", ["sync", "overlap"])
+@pytest.mark.parametrize("schedule", ["sync", "overlap", "adaptive"])
 def test_dqn_prioritized_trains_through_dlpack(ray_session, schedule):
     """RLlib's DQN training_step, unchanged, on the Conduit buffer: with "overlap" the buffer hands over the batch it
-    drew after the previous priority update. Nothing is sampled before learning starts, and RLlib's counters see
-    exactly the steps it asked for (a batch drawn ahead counts when it is handed over)."""
+    drew after the previous priority update ("adaptive": after it or after the previous sample()). Nothing is sampled
+    before learning starts, and RLlib's counters see exactly the steps it asked for (a batch drawn ahead counts when
+    it is handed over)."""
     algo = _dqn_config("torch", schedule=schedule, learning_starts=96).build_algo()
     try:
         result = algo.train()  # 64 env steps < 96: no learning yet
@@ -456,7 +499,10 @@ def test_dqn_prioritized_trains_through_dlpack(ray_session, schedule):
         assert trained > 0 and buffer.get_sampled_timesteps() == trained
         assert algo.learner_group._learner.conduit_batch_seconds > 0  # batches came through DLPack
         assert buffer.timings["update_priorities"] > 0  # RLlib called update_priorities with TD errors
-        assert buffer.stats()["priority_updates_ignored"] == 0
+        stats = buffer.stats()
+        assert stats["priority_updates_ignored"] == 0
+        drawn_ahead = stats["drawn_ahead_after_update"] + stats["drawn_ahead_after_sample"]
+        assert (drawn_ahead == 0) == (schedule == "sync")
         assert result["replay_buffer"]["num_env_steps_added_lifetime"] == 192
     finally:
         algo.stop()

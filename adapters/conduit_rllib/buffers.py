@@ -66,6 +66,11 @@ a ``ValueError`` and changes nothing.
   env and adds; ``"deferred"`` right after ``sample()`` (the priority update lands one batch later). A batch drawn
   ahead is handed over only to the same request (size, n_step, beta, gamma) and never holds a step evicted since;
   it comes from the buffer as it was when drawn (the newest add is not in it), and ``get_state`` does not hold it.
+  ``"adaptive"`` (prioritized) draws ahead as overlap does while that costs ``sample()`` no noticeable wait, and as
+  deferred once it does (when RLlib runs several updates back to back, nothing separates an update from the next
+  ``sample()``, so the overlap draw cannot finish in time), trying overlap again every 32 batches
+  (``adaptive_choice``): a batch never misses more than one priority update. ``stats()`` counts the batches drawn
+  ahead each way and those ``sample()`` waited for.
 
 * **Multi-agent** (``ConduitMultiAgentEpisodeReplayBuffer``, ``ConduitMultiAgentPrioritizedEpisodeReplayBuffer``,
   for RLlib's ``MultiAgentEpisodeReplayBuffer`` / ``MultiAgentPrioritizedEpisodeReplayBuffer``): whole oldest
@@ -119,7 +124,9 @@ EXACT = "exact__"  # prefix of the column that keeps a float64 column's values b
 _NARROW = {np.dtype(np.int64): np.dtype(np.int32), np.dtype(np.uint64): np.dtype(np.uint32),
            np.dtype(np.float64): np.dtype(np.float32)}
 _KNOWN_KWARGS = {"type", "metrics_num_episodes_for_smoothing"}
-SCHEDULES = ("sync", "overlap", "deferred")
+SCHEDULES = ("sync", "overlap", "deferred", "adaptive")
+ADAPTIVE_WAIT_SHARE = 0.1  # adaptive: overlap gives way once sample() waits more than this share of a learner update
+ADAPTIVE_RETRY_AFTER = 32  # adaptive: overlap is tried again after this many batches drawn the deferred way
 _BUFFERS: dict = {}  # (layout, sampler batch size) -> functional Buffer; the state is each buffer's own
 _KERNELS: dict = {}  # (layout, kind, static arguments) -> jitted kernel
 
@@ -294,6 +301,19 @@ def _shuffled(rows: jax.Array, seed, counter) -> jax.Array:
     return jax.random.permutation(jax.random.fold_in(jax.random.key(seed), counter), rows)
 
 
+def adaptive_choice(current: str, waited_s: float, learner_s: float, deferred_batches: int) -> str:
+    """The ``"adaptive"`` schedule's rule: where the next prioritized batch is drawn ahead. ``"overlap"`` (after
+    ``update_priorities``: the batch sees every update, as under sync) while ``sample()`` does not wait for it
+    noticeably, that is, for more than ``ADAPTIVE_WAIT_SHARE`` of the learner's update (the smoothed time from
+    ``sample()`` returning to ``update_priorities``); ``"deferred"`` (after ``sample()``: the draw runs during the
+    learner's update and misses that one priority update) once it does; overlap again after
+    ``ADAPTIVE_RETRY_AFTER`` deferred batches, in case the gap between updates has grown. ``waited_s`` is how long
+    the last ``sample()`` waited for its batch drawn ahead."""
+    if current == "overlap":
+        return "deferred" if waited_s > ADAPTIVE_WAIT_SHARE * learner_s else "overlap"
+    return "overlap" if deferred_batches >= ADAPTIVE_RETRY_AFTER else "deferred"
+
+
 def _bucket(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
@@ -381,6 +401,13 @@ class _ConduitEpisodeBuffer:
         self._last_ids = None
         self._last_request: Optional[_Request] = None
         self._prefetched: Optional[_Drawn] = None  # the next batch, drawn ahead (schedule overlap / deferred)
+        # where the next batch is drawn ahead ("overlap": after update_priorities, "deferred": after sample(), None:
+        # not at all); adaptive moves it with adaptive_choice
+        self._ahead = {"sync": None, "adaptive": "overlap"}.get(self.schedule, self.schedule)
+        self._deferred_run = 0  # batches drawn ahead the deferred way in a row (adaptive)
+        self._learner_s = 0.0  # smoothed time from sample() returning to update_priorities (the learner's update)
+        self._handed_at: Optional[float] = None  # when the last sample() returned
+        self._ahead_counts = {"after_update": 0, "after_sample": 0, "waited": 0}
 
     @property
     def episodes(self) -> list:
@@ -431,6 +458,15 @@ class _ConduitEpisodeBuffer:
 
     def _make_update(self):
         return jax.jit(self._buffer(self.num_shards).update, donate_argnums=0)
+
+    def _make_update_draw(self, *draw_static):
+        """A priority update and the draw after it in one kernel (overlap: one dispatch per ``update_priorities``)."""
+        update, draw = self._buffer(self.num_shards).update, self._kernel("draw", *draw_static)
+
+        def update_draw(state, ids, values, *draw_args):
+            return draw(update(state, ids, values), *draw_args)
+
+        return jax.jit(update_draw, donate_argnums=0)
 
     def _make_draw(self, candidates: int, size: int, longest: int, redraw: bool):
         """One jitted draw: ``candidates`` steps by priority, their n-step windows followed through the links,
@@ -869,7 +905,8 @@ class _ConduitEpisodeBuffer:
                                DEFAULT_MODULE_ID, size)
         else:
             out = self._episodes(drawn, to_numpy, include_infos, include_extra_model_outputs)
-        self.timings["sample"] += time.perf_counter() - start
+        self._handed_at = time.perf_counter()
+        self.timings["sample"] += self._handed_at - start
         return out
 
     def _take(self, request: _Request) -> tuple[_Drawn, int]:
@@ -877,8 +914,12 @@ class _ConduitEpisodeBuffer:
         (again while too few windows fit, RLlib's resampling); then the next one drawn ahead as the schedule says.
         Returns the batch and the number of extra draws."""
         drawn, self._prefetched = self._prefetched, None
-        if drawn is not None and (drawn.request != request or not bool(drawn.enough)):
-            drawn = None  # drawn for another request (or short of fitting windows): draw now
+        if drawn is not None:
+            waited = self._wait_for(drawn)
+            if self.schedule == "adaptive":
+                self._ahead = adaptive_choice(self._ahead, waited, self._learner_s, self._deferred_run)
+            if drawn.request != request or not bool(drawn.enough):
+                drawn = None  # drawn for another request (or short of fitting windows): draw now
         attempt = 0
         while drawn is None:
             candidate = self._draw(request)
@@ -893,9 +934,20 @@ class _ConduitEpisodeBuffer:
         self._last_ids = drawn.ids
         self._last_request = request
         self.sampled_timesteps += request.size
-        if self.schedule == "deferred" or (self.schedule == "overlap" and not self._prioritized):
+        if self._ahead == "deferred" or (self._ahead == "overlap" and not self._prioritized):
             self._prefetched = self._draw(request)  # runs while the learner updates (async dispatch)
+            self._ahead_counts["after_sample"] += 1
+        self._deferred_run = self._deferred_run + 1 if self._ahead == "deferred" else 0
         return drawn, attempt
+
+    def _wait_for(self, drawn: _Drawn) -> float:
+        """Seconds spent waiting for the kernel of a batch drawn ahead (0 when it had finished)."""
+        if drawn.enough.is_ready():
+            return 0.0
+        start = time.perf_counter()
+        drawn.enough.block_until_ready()
+        self._ahead_counts["waited"] += 1
+        return time.perf_counter() - start
 
     def _sample_batch(self, size: int, length: int, start: float) -> dict:
         """RLlib's ``EpisodeReplayBuffer`` batch of ``size`` rows of ``length`` entries (NumPy, as RLlib returns it)."""
@@ -986,8 +1038,9 @@ class _ConduitEpisodeBuffer:
         episode.extra_model_outputs["weights"] = InfiniteLookbackBuffer(np.ones(ahead + lookback), lookback=lookback)
         return episode
 
-    def _draw(self, request: "_Request") -> "_Drawn":
-        """Dispatch one draw kernel for ``request`` (JAX runs it asynchronously; reading a result waits for it)."""
+    def _draw(self, request: "_Request", update: Optional[tuple] = None) -> "_Drawn":
+        """Dispatch one draw kernel for ``request`` (JAX runs it asynchronously; reading a result waits for it),
+        after the priority update ``(ids, values)`` when one is given (in the same kernel)."""
         padded = request.size + (-request.size) % self.num_shards  # a multiple of the shard count
         low, high = request.n_range
         redraw = self._redraws and high > 1
@@ -995,12 +1048,15 @@ class _ConduitEpisodeBuffer:
         # enough fitting windows (another kernel when not)
         candidates = padded + padded // 2 + 8 if redraw else padded
         candidates += (-candidates) % self.num_shards
-        draw = self._kernel("draw", candidates, padded, _bucket(high), redraw)
+        static = (candidates, padded, _bucket(high), redraw)
         n = self.rng.integers(low, high + 1, size=candidates, dtype=np.int32) if low < high else \
             np.full(candidates, low, np.int32)
-        self._state, columns, ids, enough = draw(self._state, self._links, n, np.float32(request.beta),
-                                                 np.float32(request.gamma), np.uint32(self.seed),
-                                                 np.uint32(self._draws))
+        args = (self._links, n, np.float32(request.beta), np.float32(request.gamma), np.uint32(self.seed),
+                np.uint32(self._draws))
+        if update is None:
+            self._state, columns, ids, enough = self._kernel("draw", *static)(self._state, *args)
+        else:
+            self._state, columns, ids, enough = self._kernel("update_draw", *static)(self._state, *update, *args)
         self._draws += 1
         if padded != request.size:
             columns, ids = {k: v[:request.size] for k, v in columns.items()}, ids[:request.size]
@@ -1088,10 +1144,17 @@ class _ConduitEpisodeBuffer:
         if not np.all(np.isfinite(values)):
             raise ValueError(f"{name}.update_priorities(): priorities must be finite, got "
                              f"{values[~np.isfinite(values)][:4].tolist()} (nothing was updated)")
-        self._state = self._kernel("update")(self._state, self._last_ids, values)
+        if self._handed_at is not None:
+            learner = start - self._handed_at
+            self._learner_s = 0.9 * self._learner_s + 0.1 * learner if self._learner_s else learner
+            self._handed_at = None
+        if self._ahead == "overlap" and self._last_request is not None:
+            # the next batch, drawn after this update in the same kernel; runs during the env rollout
+            self._prefetched = self._draw(self._last_request, update=(self._last_ids, values))
+            self._ahead_counts["after_update"] += 1
+        else:
+            self._state = self._kernel("update")(self._state, self._last_ids, values)
         self._last_ids = None
-        if self.schedule == "overlap" and self._last_request is not None:
-            self._prefetched = self._draw(self._last_request)  # sees this update; runs during the env rollout
         self.timings["update_priorities"] += time.perf_counter() - start
 
     # -- sizes and metrics -------------------------------------------------------------------------------------------
@@ -1117,11 +1180,15 @@ class _ConduitEpisodeBuffer:
         return self.metrics.reduce()
 
     def stats(self) -> dict[str, int]:
-        """What RLlib's counters do not say: steps written to the ring (evicted ones included), its size, and
-        priority updates skipped because their step was evicted or overwritten since it was sampled."""
+        """What RLlib's counters do not say: steps written to the ring (evicted ones included), its size, priority
+        updates skipped because their step was evicted or overwritten since it was sampled, and the schedule's
+        batches drawn ahead: right after a priority update (``drawn_ahead_after_update``: prioritized overlap),
+        right after a ``sample()`` (``drawn_ahead_after_sample``: deferred, uniform overlap), and how many of them
+        ``sample()`` had to wait for (``drawn_ahead_waited``)."""
         ignored = 0 if self._state is None else int(self._state.sampler.ignored_updates)
         return {"steps_written": self._items, "storage_capacity": self.storage_capacity,
-                "priority_updates_ignored": ignored}
+                "priority_updates_ignored": ignored,
+                **{f"drawn_ahead_{where}": count for where, count in self._ahead_counts.items()}}
 
     # -- state ----------------------------------------------------------------------------------------------------
     def _config(self) -> dict:
