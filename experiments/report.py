@@ -41,7 +41,8 @@ PAPER = {
 }
 ALGOS = ("dqn", "ppo", "sac")
 ABLATION = ("+placement", "+scheduling", "full")  # the ablation's steps measured against its baseline
-KNOWN = (*(f"rllib_compare_{a}" for a in ALGOS), "scheduling", "ablation", "placement_sweep", "scaling")
+KNOWN = (*(f"rllib_compare_{a}" for a in ALGOS), "rllib_schedules", "scheduling", "ablation", "placement_sweep",
+         "scaling")
 RLLIB_PARTS = ("buffer_add", "buffer_sample", "priority_update", "to_batch", "minibatching", "learner_update", "other")
 RLLIB_EXPERIENCE = ("buffer_add", "buffer_sample", "priority_update", "to_batch", "minibatching")
 # the paper's stages -> the parts rllib_compare measures
@@ -471,6 +472,30 @@ def _rllib_schedule(src: Source, path: str, schedule: str | None) -> str:
     return schedule if "conduit_scheduled" in (config.get("paths") or ()) else config.get("schedule", schedule)
 
 
+def _rllib_schedules(res: Results) -> list[str]:
+    """The buffers' schedules in RLlib's off-policy loop (experiments/rllib_schedules.py)."""
+    out = ["### RLlib's off-policy loop: the Conduit buffer's schedules", ""]
+    src = res.load("rllib_schedules")
+    if src is None:
+        return out + not_run("the schedules probe", default_command("rllib_schedules"))
+    rows = []
+    for regime, summary in src.data.get("results", {}).items():
+        for path, row in summary.items():
+            stats = row.get("stats") or {}
+            drawn = (f"{stats.get('drawn_ahead_after_update', 0)} / {stats.get('drawn_ahead_after_sample', 0)} / "
+                     f"{stats.get('drawn_ahead_waited', 0)}") if stats else ""
+            rows.append([regime.removeprefix("updates_"), path, us(row["exposed_us"]), pct(row["exposed_vs_native"]),
+                         pct(row["exposed_vs_sync"]), us(row["iteration_us"]), drawn])
+    out += table(["updates per env round", "buffer", "exposed per update", "vs native", "vs sync",
+                  "iteration per update", "drawn ahead (after update / after sample / waited)"], rows)
+    out += [("RLlib's loop (env rollout, add, then per update: sample, learner, update_priorities) through the "
+             "buffers' public API, all paths in interleaved rounds of one process; exposed is the time in the "
+             "buffer's calls (and Conduit's DLPack hand-over). With several updates per round nothing separates an "
+             "update from the next sample(), so overlap's draw is waited for and adaptive moves to deferred."), "",
+            src.provenance(), ""]
+    return out
+
+
 def latency_claims(res: Results) -> tuple[list[dict], list[dict]]:
     """Every measured exposed- and iteration-latency change against its baseline: [{value, where, quick,
     explained}], from rllib_compare, scheduling and the ablation's steps."""
@@ -547,6 +572,7 @@ def section_latency(res: Results) -> list[str]:
                 "the rest is other parts of the iteration (env runner, update) differing between the runs."), ""]
     for algo in missing:
         out += not_run(f"RLlib {algo.upper()}", default_command(f"rllib_compare_{algo}"))
+    out += _rllib_schedules(res)
 
     out += ["### Our JAX learners: delivery schedules (sync / overlap / deferred / adaptive / fused)", ""]
     src = res.load("scheduling")

@@ -165,7 +165,8 @@ def parse_args(argv) -> argparse.Namespace:
 def main(argv=None) -> dict:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     start = time.perf_counter()
-    result = {"command": "python -m experiments.rllib_schedules " + " ".join(sys.argv[1:] if argv is None else argv),
+    command = " ".join(["python -m experiments.rllib_schedules", *(sys.argv[1:] if argv is None else argv)])
+    result = {"command": command,
               "config": vars(args), "results": run(args), "wall_s": time.perf_counter() - start,
               "machine": {"platform": platform.platform(), "cpus": os.cpu_count()}}
     out = Path(args.out or RESULTS / f"rllib_schedules{'_quick' if args.quick else ''}.json")

@@ -662,15 +662,14 @@ def test_sequences_of_episodes_refuse_bad_arguments_and_change_nothing():
                                                                                  sample_episodes=True)
 
 
-@pytest.mark.parametrize("cls", ["ConduitEpisodeReplayBuffer", "ConduitPrioritizedEpisodeReplayBuffer"])
-def test_coalesced_metrics_reduce_as_rllibs_logger(cls):
+def test_coalesced_metrics_reduce_as_rllibs_logger():
     """The buffers' metrics logger queues RLlib's metric calls and coalesces them; get_metrics() returns what RLlib's
     own MetricsLogger returns for the same calls (RLlib's _update_add_metrics / _update_sample_metrics), read after
     one call and after many, with evictions, window overflow (smoothing 3) and resamples."""
     from ray.rllib.utils.metrics.metrics_logger import MetricsLogger
 
-    buffers = [getattr(conduit_rllib, cls)(capacity=60, metrics_num_episodes_for_smoothing=3, seed=5)
-               for _ in range(2)]
+    buffers = [conduit_rllib.ConduitPrioritizedEpisodeReplayBuffer(capacity=60, metrics_num_episodes_for_smoothing=3,
+                                                                 seed=5) for _ in range(2)]
     buffers[1].metrics = MetricsLogger(root=False)
     assert isinstance(buffers[0].metrics, conduit_rllib.metrics.CoalescedMetricsLogger)
     episode = 0
@@ -683,3 +682,22 @@ def test_coalesced_metrics_reduce_as_rllibs_logger(cls):
                 buffer.sample(num_items=4 + 4 * (episode % 2), n_step=(1, 3), sample_episodes=True)
         got, want = (MetricsLogger.peek_results(buffer.get_metrics()) for buffer in buffers)
         assert got == want and got
+
+
+def test_rllib_schedules_probe_runs_every_path(tmp_path):
+    """experiments/rllib_schedules.py, tiny: every buffer runs RLlib's loop, each measured round is recorded, and
+    the scheduled Conduit buffers say where they drew ahead."""
+    from experiments import rllib_schedules
+
+    out = tmp_path / "probe.json"
+    result = rllib_schedules.main(["--rounds", "2", "--block", "2", "--warmup", "1", "--updates", "2",
+                                   "--learning-starts", "64", "--batch", "16", "--hidden", "8", "--out", str(out)])
+    summary = result["results"]["updates_2"]
+    assert list(summary) == ["native", *rllib_schedules.SCHEDULES]
+    for path, row in summary.items():
+        assert row["rounds"] == 2 and row["exposed_us"] > 0 and row["iteration_us"] >= row["exposed_us"]
+    assert summary["sync"]["stats"]["drawn_ahead_after_update"] + summary["sync"]["stats"][
+        "drawn_ahead_after_sample"] == 0
+    assert summary["overlap"]["stats"]["drawn_ahead_after_update"] == 2 * 4  # 4 rounds of 2 updates, warm-up included
+    assert summary["deferred"]["stats"]["drawn_ahead_after_sample"] == 2 * 4
+    assert out.is_file()
