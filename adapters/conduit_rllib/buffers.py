@@ -849,10 +849,13 @@ class _ConduitEpisodeBuffer:
         """The link kernel's arguments: for each written step [item, next, previous, episode's first] as rows, and
         the (row, next row) of each episode's last stored step that a new chunk continues; padded to powers of two
         with rows past the ring (dropped)."""
-        full = np.stack([self._rows(x) for x in written])
-        patch = self._rows(np.asarray(patches, np.int64).reshape(-1, 2).T.reshape(-1)).reshape(2, -1)
-        full = np.pad(full, ((0, 0), (0, _bucket(full.shape[1]) - full.shape[1])), constant_values=-1)
-        patch = np.pad(patch, ((0, 0), (0, _bucket(max(patch.shape[1], 1)) - patch.shape[1])), constant_values=-1)
+        steps = written.shape[1]
+        patch_items = np.asarray(patches, np.int64).reshape(-1, 2).T
+        rows = self._rows(np.concatenate([written.reshape(-1), patch_items.reshape(-1)]))  # one id lookup
+        full = np.full((written.shape[0], _bucket(steps)), -1, np.int32)
+        full[:, :steps] = rows[:written.size].reshape(written.shape)
+        patch = np.full((2, _bucket(max(patch_items.shape[1], 1))), -1, np.int32)
+        patch[:, :patch_items.shape[1]] = rows[written.size:].reshape(patch_items.shape)
         for block in (full, patch):
             block[0] = np.where(block[0] >= 0, block[0], self.storage_capacity)
         return full, patch
