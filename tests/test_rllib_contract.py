@@ -321,7 +321,7 @@ def test_sequences_of_episodes_start_at_uniformly_drawn_steps(cls):
     lengths = {"a": 4, "b": 8, "c": 12}
     for id_, length in lengths.items():
         buffer.add(episode(rng, length, id_))
-    first = {"a": 0, "b": 4, "c": 12}
+    first = dict(zip(lengths, np.cumsum([0, *lengths.values()])))  # each episode's first step among the 24
     counts = np.zeros(24)
     for _ in range(300):
         for e in buffer.sample(batch_size_B=20, batch_length_T=2, n_step=1, sample_episodes=True):

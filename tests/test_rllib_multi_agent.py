@@ -251,6 +251,8 @@ def test_refusals_name_the_problem_and_change_nothing(cls):
     assert counts(buffer) == before
     with pytest.raises(NotImplementedError, match="synchronized"):
         buffer.sample(batch_size_B=4, replay_mode="synchronized")
+    with pytest.raises(NotImplementedError, match="RLlib's multi-agent buffers ignore both"):
+        buffer.sample(batch_size_B=4, batch_length_T=8)
     with pytest.raises(ValueError, match="nope"):
         buffer.sample(batch_size_B=4, modules_to_sample=["nope"])
     with pytest.raises(ValueError, match="deliver"):

@@ -83,8 +83,9 @@ a ``ValueError`` and changes nothing.
   episode; a window past its episode's end is redrawn, as RLlib does in both multi-agent classes.
   ``update_priorities(td, module_id)`` as RLlib's DQN calls it; the schedules work per module.
 
-Not supported yet (``NotImplementedError``): sequences from the prioritized buffer (RLlib's samples none either) and
-the multi-agent ones (any ``batch_length_T`` > 1), the multi-agent ``replay_mode="synchronized"``, non-array
+Not supported (``NotImplementedError``): sequences from the prioritized buffer and the multi-agent ones (any
+``batch_length_T`` > 1 or ``lookback``; RLlib 2.60's own prioritized and multi-agent buffers ignore both and return
+1-step transitions, so a refusal says so instead), the multi-agent ``replay_mode="synchronized"``, non-array
 observations (Dict / Tuple spaces); ``deliver="torch"`` is single-agent only.
 """
 
@@ -1537,7 +1538,9 @@ class _ConduitMultiAgentBuffer:
                                       f"'independent' (RLlib's default) is")
         if batch_length_T not in (None, 0, 1) or lookback:
             raise NotImplementedError(f"{name}.sample(): sequences (batch_length_T={batch_length_T}, "
-                                      f"lookback={lookback}) are not supported yet for multi-agent episodes")
+                                      f"lookback={lookback}) are not supported for multi-agent episodes; RLlib's "
+                                      f"multi-agent buffers ignore both and return 1-step transitions, which is what "
+                                      f"batch_length_T=1 gives here")
         if num_items is not None and batch_size_B is not None:
             raise ValueError(f"{name}.sample(): pass num_items or batch_size_B, not both")
         size = num_items or batch_size_B or self.batch_size_B
