@@ -279,3 +279,23 @@ def test_a_module_outgrowing_its_ring_is_refused_naming_agents_per_module(cls):
     roomy.add(episode(rng, 5, "A", agents={"a": "shared"}))
     roomy.add(episode(rng, 11, "B", agents={"a": "shared", "b": "shared"}))
     assert roomy.get_num_timesteps("shared") == 22 and [e.id_ for e in roomy.episodes] == ["B"]
+
+
+def test_rllibs_synchronized_mode_which_ours_refuses_drops_every_last_transition():
+    """Why replay_mode="synchronized" is refused rather than copied: RLlib 2.60's own synchronized sampler never
+    draws an episode's last transition, so no row is ever terminated, and its weights / n_step columns come back
+    empty. (A ray upgrade that fixes it makes this test fail: then build the mode.)"""
+    agents = MODULES
+    native = MultiAgentEpisodeReplayBuffer(capacity=1_000)
+    for k in range(5):
+        e = MultiAgentEpisode(id_=str(k), observations=[{a: 0.0 for a in agents}], agent_module_ids=dict(agents))
+        for t in range(6):
+            last = t == 5
+            e.add_env_step(observations={a: t + 1.0 for a in agents}, actions={a: t for a in agents},
+                           rewards={a: 1.0 for a in agents}, terminateds={a: last for a in agents} | {"__all__": last})
+        native.add([e])
+    rows = [native.sample(batch_size_B=8, replay_mode="synchronized")["module_1"] for _ in range(100)]
+    next_obs = np.concatenate([r["new_obs"] for r in rows])
+    assert set(next_obs.tolist()) == {1.0, 2.0, 3.0, 4.0, 5.0}  # never 6.0, the terminal observation
+    assert not np.concatenate([r["terminateds"] for r in rows]).any()
+    assert all(len(r["weights"]) == 0 and len(r["n_step"]) == 0 for r in rows)

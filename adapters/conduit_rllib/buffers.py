@@ -85,8 +85,10 @@ a ``ValueError`` and changes nothing.
 
 Not supported (``NotImplementedError``): sequences from the prioritized buffer and the multi-agent ones (any
 ``batch_length_T`` > 1 or ``lookback``; RLlib 2.60's own prioritized and multi-agent buffers ignore both and return
-1-step transitions, so a refusal says so instead), the multi-agent ``replay_mode="synchronized"``, non-array
-observations (Dict / Tuple spaces); ``deliver="torch"`` is single-agent only.
+1-step transitions, so a refusal says so instead), the multi-agent ``replay_mode="synchronized"`` (RLlib 2.60's
+never draws an episode's last transition, never marks a row terminated and returns empty ``weights`` / ``n_step``
+columns; RLlib's DQN samples ``"independent"``), non-array observations (Dict / Tuple spaces); ``deliver="torch"``
+is single-agent only.
 """
 
 from __future__ import annotations
