@@ -287,6 +287,15 @@ def _exact_values(host: dict, gamma: float) -> dict:
     return host
 
 
+def _to_host(tree):
+    """A pytree of JAX arrays as NumPy arrays (read-only), once computed. On the CPU ``np.asarray`` reads each buffer
+    in place, about 1 us an array where ``jax.device_get`` took ~10-20 us (10 columns of a B=32 draw: 190 -> 10 us
+    here); on an accelerator ``device_get`` starts every copy before it waits for the first."""
+    if jax.default_backend() == "cpu":
+        return jax.tree.map(np.asarray, tree)
+    return jax.device_get(tree)
+
+
 def _pieces(n: int):
     """(start, size) pieces of powers of two covering n rows: each size compiles one ingest kernel, ever."""
     start, bit = 0, 1 << max(n.bit_length() - 1, 0)
@@ -966,7 +975,7 @@ class _ConduitEpisodeBuffer:
         self._state, out = self._kernel("sequences", padded, int(length))(self._state, self._links,
                                                                           np.uint32(self.seed), np.uint32(self._draws))
         self._draws += 1
-        out = _exact_values({k: np.asarray(v)[:size] for k, v in jax.device_get(out).items()}, 0.0)
+        out = _exact_values({k: v[:size] for k, v in _to_host(out).items()}, 0.0)
         self.sampled_timesteps += size * length
         self._log_sample(size * length, None, 0)
         self.timings["sample"] += time.perf_counter() - start
@@ -997,7 +1006,7 @@ class _ConduitEpisodeBuffer:
             self._state, rows, valid, data, end = kernel(self._state, self._links, np.uint32(self.seed),
                                                          np.uint32(self._draws))
             self._draws += 1
-            rows, valid, data, end = jax.device_get((rows, valid, data, end))
+            rows, valid, data, end = _to_host((rows, valid, data, end))
             if not valid:
                 raise ValueError(f"{name}.sample(): the buffer has no step to draw")
             data, end = _exact_values(dict(data), 0.0), _exact_values(dict(end), 0.0)
@@ -1106,8 +1115,7 @@ class _ConduitEpisodeBuffer:
     def _episodes(self, drawn: _Drawn, to_numpy: bool, infos: bool, extras: bool) -> list:
         """RLlib's 1-step episodes (o_t, a_t, G_t, o_{t+n}) with ``weights`` and ``n_step`` model outputs, each
         carrying its stored episode's id, agent, module and multi-agent episode."""
-        host = _exact_values({k: np.asarray(v) for k, v in jax.device_get(drawn.columns).items()},
-                             drawn.request.gamma)
+        host = _exact_values(_to_host(drawn.columns), drawn.request.gamma)
         rows = np.asarray(drawn.ids)[:, 0]
         records, starts = [self._by_first[first] for first in self._owner[rows]], self._position[rows]
         obs, next_obs, actions = host[Columns.OBS], host[Columns.NEXT_OBS], host[Columns.ACTIONS]
