@@ -26,6 +26,11 @@ call that reads the plane's host bookkeeping (``stats``, ``in_flight``, ``save``
 it finish what it can do now, so these read what they would without a thread. On-policy data (``samplers.epochs``):
 an ``ingest`` wakes the worker, which stages the first ``depth`` minibatches of the new epoch while the learner's
 thread moves on to its first ``deliver()``.
+
+Reproducibility: under ``sync`` a run is a pure function of its seed and its call sequence. The prefetching policies
+draw when the worker's thread gets to it, so whether a prefetched batch includes the latest ingest or priority update
+(within the bounds above) depends on timing, and a fixed seed does not give bit-identical runs; use ``sync`` to
+reproduce one exactly.
 """
 
 from __future__ import annotations

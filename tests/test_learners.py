@@ -3,8 +3,10 @@ DQN under sync and adaptive, which runs the delivery worker and moves the prefet
 
 Random play on CartPole returns ~22 per episode; each test asks for several times that, both as the mean return of
 the last training episodes and as the greedy policy's return on fresh environments. Small networks and budgets keep
-each run to a few seconds (about 10 s on 2 shared cores); the seed is fixed. Under ``adaptive`` the prefetch depth
-follows measured times, so that run is not bit-reproducible: the threshold leaves room for it.
+each run to a few seconds (about 10 s on 2 shared cores); the seed is fixed. The prefetching schedules are not
+bit-reproducible: the delivery worker draws when its thread runs, so a prefetched batch may or may not see the
+ingests and priority updates made meanwhile (and under ``adaptive`` the depth follows measured times). Each threshold
+leaves room for that: it held in every repeated run of the same seed and in runs of other seeds.
 """
 
 import math
@@ -48,11 +50,14 @@ def test_ppo_learns_cartpole(schedule):
 
 
 def test_dqn_n_step_and_sharded_plane_smoke():
-    """3-step targets from prioritized windows, on a plane sharded over 8 devices: runs, learns a little."""
-    config = dqn.DQNConfig(total_env_steps=6_000, learning_starts=500, n_step=3, devices=8, schedule="overlap",
+    """3-step targets from prioritized windows, on a plane sharded over 8 devices: runs, learns a little.
+
+    12k env steps (~720 learner steps): at 6k a run under overlap's timing once ended below random play (14.9); at 12k
+    repeated runs of seed 0 ended at 144-166, seeds 1-3 at 37-191."""
+    config = dqn.DQNConfig(total_env_steps=12_000, learning_starts=500, n_step=3, devices=8, schedule="overlap",
                            capacity=4096)
     result = dqn.make_train(config)(jax.random.key(0))
-    assert math.isfinite(result["loss_last"]) and result["learner_steps"] > 300
+    assert math.isfinite(result["loss_last"]) and result["learner_steps"] > 600
     assert result["plane_stats"]["num_shards"] == 8
     assert result["train_return"] > RANDOM_CARTPOLE
 
