@@ -202,6 +202,37 @@ def test_one_high_priority_step_takes_most_draws(cls):
 
 
 @pytest.mark.parametrize("cls", PRIORITIZED, ids=by_name)
+def test_short_episodes_whose_unfitting_steps_hold_most_priority(cls):
+    """4-step episodes and 3-step windows: only steps 0 and 1 fit. The other steps are never drawn, so they keep the
+    first (largest) priority 1.0, while updates lower step 0 to 0.05 and step 1 to 0.2: 89% of the priority mass
+    sits on steps that never fit. Every window still fits, and the fitting steps are drawn by priority (step 1 in
+    0.2 / 0.25 = 80% of draws; binomial test). The Conduit buffer sizes its draw by the share that fitted before, so
+    after the first batches each ``sample()`` runs one kernel."""
+    rng = np.random.default_rng(12)
+    buffer = cls(capacity=1000, alpha=1.0)
+    for k in range(50):
+        buffer.add(episode(rng, 4, id_=str(k), offset=1000.0 * k))
+
+    def steps(batch):
+        return np.array([transition(e)[0] % 1000 for e in batch])
+
+    for _ in range(40):
+        buffer.update_priorities(np.where(steps(buffer.sample(batch_size_B=32, n_step=3)) == 0, 0.05, 0.2))
+    kernels = buffer.stats()["sample_kernels"] if hasattr(buffer, "stats") else None
+    drawn = []
+    for _ in range(20):
+        batch = buffer.sample(batch_size_B=32, n_step=3)
+        assert all(transition(e)[3] == transition(e)[0] + 3 for e in batch)  # o_(t+3) of the same episode
+        drawn.append(steps(batch))
+        buffer.update_priorities(np.where(drawn[-1] == 0, 0.05, 0.2))
+    drawn = np.concatenate(drawn)
+    assert set(drawn) <= {0, 1}
+    assert stats.binomtest(int(np.sum(drawn == 1)), drawn.size, 0.8).pvalue > 1e-3
+    if kernels is not None:
+        assert buffer.stats()["sample_kernels"] - kernels <= 25  # 20 batches
+
+
+@pytest.mark.parametrize("cls", PRIORITIZED, ids=by_name)
 def test_weights_are_normalised_by_the_smallest_priority(cls):
     """IS weights (P(i) / P_min)^-beta over every stored step, as RLlib computes them: with priorities 1.0 for a
     sampled batch and 0.25 for one step, a step at 1.0 weighs 0.25^beta."""

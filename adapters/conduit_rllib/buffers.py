@@ -48,7 +48,9 @@ How: steps are items of a Conduit buffer (``samplers.prioritized``; ``alpha=0`` 
 ``2 * capacity`` steps, so the steps RLlib keeps are always stored while evicted ones wait to be overwritten
 (``Buffer.retire`` takes them out of sampling at once). Each step links to the next step of its episode; one jitted
 kernel draws, follows the links for n-step windows (``Buffer.read``), redraws what RLlib would, and computes the
-weights. An ``add`` that would overwrite a step RLlib keeps (one episode longer than ``2 * capacity``) is refused with
+weights. For PER's redraw it draws more steps than the batch needs, as many as the share of fitting windows in
+earlier draws asks for (``candidate_count``), so one kernel suffices even when most of the priority mass sits on
+steps near an episode's end (short episodes). An ``add`` that would overwrite a step RLlib keeps (one episode longer than ``2 * capacity``) is refused with
 a ``ValueError`` and changes nothing.
 
 * **Sequences** (uniform buffer, ``sample_episodes=False``, RLlib's default there): RLlib's ``[B, T]`` batch of
@@ -96,6 +98,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import math
 import time
 from typing import Any, NamedTuple, Optional, Union
 
@@ -243,6 +246,8 @@ class _Drawn(NamedTuple):
     columns: dict
     ids: jax.Array
     enough: jax.Array  # bool[]: enough windows fitted (PER's redraw)
+    fitting: jax.Array  # int32[]: how many of the candidates' windows fitted
+    candidates: int  # steps drawn by priority
 
 
 def _narrowed(name: str, where: str, key: str, values) -> np.ndarray:
@@ -328,6 +333,15 @@ def adaptive_choice(current: str, waited_s: float, learner_s: float, deferred_ba
 
 def _bucket(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
+
+
+def candidate_count(need: int, share: float) -> int:
+    """How many steps a draw takes by priority when a ``share`` of the priority mass sits on steps whose n-step window
+    fits and ``need`` of those must be among them: the binomial mean at least three standard deviations (plus 4) above
+    ``need``, at most ``64 * need``; rounded up to a quarter of a power of two, so few kernel sizes ever compile."""
+    target = math.ceil(min((need + 3 * math.sqrt(need) + 4) / max(share, 1e-6), 64 * need))
+    quarter = max((1 << (target.bit_length() - 1)) // 4, 1)
+    return -(-target // quarter) * quarter
 
 
 class _ConduitEpisodeBuffer:
@@ -420,6 +434,9 @@ class _ConduitEpisodeBuffer:
         self._learner_s = 0.0  # smoothed time from sample() returning to update_priorities (the learner's update)
         self._handed_at: Optional[float] = None  # when the last sample() returned
         self._ahead_counts = {"after_update": 0, "after_sample": 0, "waited": 0}
+        # per n-step range (PER's redraw): the share of drawn candidates whose window fitted, smoothed; sizes the
+        # next draw (1.0 until a draw says otherwise)
+        self._fit_share: dict = {}
 
     @property
     def episodes(self) -> list:
@@ -510,9 +527,9 @@ class _ConduitEpisodeBuffer:
             end = buffer.read(state, last)
             if redraw:
                 order = jnp.argsort(jnp.where(fits, jax.random.uniform(key, rows.shape), 2.0))[:size]
-                enough = jnp.sum(fits) >= size
+                fitting = jnp.sum(fits, dtype=jnp.int32)
             else:  # every candidate, in random order: the host may drop the shard padding off the end
-                order, enough = jax.random.permutation(key, size), jnp.asarray(True)
+                order, fitting = jax.random.permutation(key, size), jnp.int32(size)
             weights = jnp.power(delivery.weights, beta) if prioritized else jnp.ones(rows.shape, jnp.float32)
             columns = {Columns.OBS: delivery.data["obs"], Columns.NEXT_OBS: end["next_obs"],
                        Columns.ACTIONS: delivery.data["action"], Columns.REWARDS: ret,
@@ -527,7 +544,7 @@ class _ConduitEpisodeBuffer:
             columns.update({k: delivery.data[k] for k in at_start})
             columns.update({k: end[k] for k in at_end})
             columns = {k: v[order] for k, v in columns.items()}
-            return state, columns, delivery.ids[order], enough & delivery.valid
+            return state, columns, delivery.ids[order], (fitting >= size) & delivery.valid, fitting
 
         return jax.jit(draw, donate_argnums=0)
 
@@ -933,12 +950,12 @@ class _ConduitEpisodeBuffer:
             waited = self._wait_for(drawn)
             if self.schedule == "adaptive":
                 self._ahead = adaptive_choice(self._ahead, waited, self._learner_s, self._deferred_run)
-            if drawn.request != request or not bool(drawn.enough):
+            if not self._fitted(drawn) or drawn.request != request:
                 drawn = None  # drawn for another request (or short of fitting windows): draw now
         attempt = 0
         while drawn is None:
             candidate = self._draw(request)
-            if bool(candidate.enough):
+            if self._fitted(candidate):
                 drawn = candidate
             elif attempt == 63:
                 low, high = request.n_range
@@ -954,6 +971,14 @@ class _ConduitEpisodeBuffer:
             self._ahead_counts["after_sample"] += 1
         self._deferred_run = self._deferred_run + 1 if self._ahead == "deferred" else 0
         return drawn, attempt
+
+    def _fitted(self, drawn: _Drawn) -> bool:
+        """Whether ``drawn`` has enough fitting windows (waits for its kernel). What share of its candidates fitted
+        sizes the next draws of its n-step range: smoothed, or at once the observed share when too few fitted."""
+        enough, observed = bool(drawn.enough), int(drawn.fitting) / drawn.candidates
+        smoothed = 0.5 * self._fit_share.get(drawn.request.n_range, 1.0) + 0.5 * observed
+        self._fit_share[drawn.request.n_range] = smoothed if enough else min(smoothed, observed)
+        return enough
 
     def _wait_for(self, drawn: _Drawn) -> float:
         """Seconds spent waiting for the kernel of a batch drawn ahead (0 when it had finished)."""
@@ -1059,9 +1084,9 @@ class _ConduitEpisodeBuffer:
         padded = request.size + (-request.size) % self.num_shards  # a multiple of the shard count
         low, high = request.n_range
         redraw = self._redraws and high > 1
-        # PER redraws a step whose episode ends within n steps: extra candidates, so one kernel almost always has
-        # enough fitting windows (another kernel when not)
-        candidates = padded + padded // 2 + 8 if redraw else padded
+        # PER redraws a step whose episode ends within n steps: extra candidates, as many as the share of fitting
+        # windows in earlier draws asks for, so one kernel almost always has enough (another kernel when not)
+        candidates = candidate_count(padded, self._fit_share.get(request.n_range, 1.0)) if redraw else padded
         candidates += (-candidates) % self.num_shards
         static = (candidates, padded, _bucket(high), redraw)
         n = self.rng.integers(low, high + 1, size=candidates, dtype=np.int32) if low < high else \
@@ -1069,13 +1094,14 @@ class _ConduitEpisodeBuffer:
         args = (self._links, n, np.float32(request.beta), np.float32(request.gamma), np.uint32(self.seed),
                 np.uint32(self._draws))
         if update is None:
-            self._state, columns, ids, enough = self._kernel("draw", *static)(self._state, *args)
+            self._state, columns, ids, enough, fitting = self._kernel("draw", *static)(self._state, *args)
         else:
-            self._state, columns, ids, enough = self._kernel("update_draw", *static)(self._state, *update, *args)
+            self._state, columns, ids, enough, fitting = self._kernel("update_draw", *static)(self._state, *update,
+                                                                                              *args)
         self._draws += 1
         if padded != request.size:
             columns, ids = {k: v[:request.size] for k, v in columns.items()}, ids[:request.size]
-        return _Drawn(request, columns, ids, enough)
+        return _Drawn(request, columns, ids, enough, fitting, candidates)
 
     def _n_range(self, n_step) -> tuple[int, int]:
         """The n-steps to draw from, inclusive: RLlib's ``(low, high)`` draws n in ``[low, high)``."""
@@ -1198,10 +1224,11 @@ class _ConduitEpisodeBuffer:
         updates skipped because their step was evicted or overwritten since it was sampled, and the schedule's
         batches drawn ahead: right after a priority update (``drawn_ahead_after_update``: prioritized overlap),
         right after a ``sample()`` (``drawn_ahead_after_sample``: deferred, uniform overlap), and how many of them
-        ``sample()`` had to wait for (``drawn_ahead_waited``)."""
+        ``sample()`` had to wait for (``drawn_ahead_waited``); ``sample_kernels``: draw kernels run (one per batch,
+        more when PER's redraw found too few fitting windows or a batch drawn ahead was for another request)."""
         ignored = 0 if self._state is None else int(self._state.sampler.ignored_updates)
         return {"steps_written": self._items, "storage_capacity": self.storage_capacity,
-                "priority_updates_ignored": ignored,
+                "priority_updates_ignored": ignored, "sample_kernels": self._draws,
                 **{f"drawn_ahead_{where}": count for where, count in self._ahead_counts.items()}}
 
     # -- state ----------------------------------------------------------------------------------------------------
@@ -1220,7 +1247,8 @@ class _ConduitEpisodeBuffer:
                  "counters": {"num_timesteps": self._num_timesteps, "num_timesteps_added": self._num_timesteps_added,
                               "num_episodes_evicted": self._num_episodes_evicted,
                               "sampled_timesteps": self.sampled_timesteps, "items": self._items,
-                              "draws": self._draws},
+                              "draws": self._draws,
+                              "fit_share": [[*key, share] for key, share in self._fit_share.items()]},
                  "rng": self.rng.bit_generator.state, "episodes": episodes, "spec": None, "arrays": {}}
         if self._spec is None:
             return state
@@ -1291,6 +1319,7 @@ class _ConduitEpisodeBuffer:
         self._num_episodes_evicted = int(counters["num_episodes_evicted"])
         self.sampled_timesteps = int(counters["sampled_timesteps"])
         self._items, self._draws = int(counters["items"]), int(counters["draws"])
+        self._fit_share = {(int(low), int(high)): float(share) for low, high, share in counters.get("fit_share", [])}
         for first, record in self._by_first.items():
             items = record.items()
             kept = items >= self._items - self.storage_capacity
