@@ -40,7 +40,7 @@ from conduit_jax.placement.cost import (
     shard_stats,
     staging_bytes,
 )
-from conduit_jax.placement.topology import GB, MEMORY_KINDS, US, PlacementError, Topology
+from conduit_jax.placement.topology import GB, MEMORY_KINDS, US, PlacementError, Topology, parse_json
 
 PLAN_FORMAT = "conduit-plan/1"
 
@@ -222,13 +222,7 @@ class Plan:
 
     @classmethod
     def from_json(cls, text: str) -> "Plan":
-        if not isinstance(text, (str, bytes, bytearray)):
-            raise PlacementError(f"Plan.from_json(): text must be a JSON string, got {type(text).__name__}")
-        try:
-            data = json.loads(text)
-        except ValueError as exc:  # JSONDecodeError, or bytes that are not UTF-8
-            raise PlacementError(f"Plan.from_json(): malformed plan: not JSON ({exc})") from None
-        return cls.from_dict(data)
+        return cls.from_dict(parse_json(text, "Plan.from_json()", "plan"))
 
     # -- explain -------------------------------------------------------------------------------------------------
     def explain(self) -> str:

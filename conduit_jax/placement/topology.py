@@ -158,6 +158,16 @@ class Timing:
     cache_row_time: float = 0.0
 
 
+def parse_json(text, where: str, what: str):
+    """``json.loads(text)``, or a ``PlacementError`` naming ``where`` when ``text`` is not a JSON string."""
+    if not isinstance(text, (str, bytes, bytearray)):
+        raise PlacementError(f"{where}: text must be a JSON string, got {type(text).__name__}")
+    try:
+        return json.loads(text)
+    except ValueError as exc:  # JSONDecodeError, or bytes that are not UTF-8
+        raise PlacementError(f"{where}: malformed {what}: not JSON ({exc})") from None
+
+
 @dataclasses.dataclass(frozen=True)
 class Topology:
     name: str
@@ -302,13 +312,7 @@ class Topology:
 
     @classmethod
     def from_json(cls, text: str) -> "Topology":
-        if not isinstance(text, (str, bytes, bytearray)):
-            raise PlacementError(f"Topology.from_json(): text must be a JSON string, got {type(text).__name__}")
-        try:
-            data = json.loads(text)
-        except ValueError as exc:  # JSONDecodeError, or bytes that are not UTF-8
-            raise PlacementError(f"Topology.from_json(): malformed topology: not JSON ({exc})") from None
-        return cls.from_dict(data)
+        return cls.from_dict(parse_json(text, "Topology.from_json()", "topology"))
 
     def save(self, path: str) -> None:
         with open(path, "w") as f:
