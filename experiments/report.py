@@ -490,8 +490,10 @@ def _rllib_schedules(res: Results) -> list[str]:
                   "iteration per update", "drawn ahead (after update / after sample / waited)"], rows)
     out += [("RLlib's loop (env rollout, add, then per update: sample, learner, update_priorities) through the "
              "buffers' public API, all paths in interleaved rounds of one process; exposed is the time in the "
-             "buffer's calls (and Conduit's DLPack hand-over). With several updates per round nothing separates an "
-             "update from the next sample(), so overlap's draw is waited for and adaptive moves to deferred."), "",
+             "buffer's calls (and Conduit's DLPack hand-over); type_swap is the Conduit class with only RLlib's "
+             "buffer type changed (episodes, sync), read as native's. With several updates per round nothing "
+             "separates an update from the next sample(), so overlap's draw is waited for and adaptive moves to "
+             "deferred."), "",
             src.provenance(), ""]
     return out
 

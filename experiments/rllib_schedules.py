@@ -4,13 +4,15 @@ RLlib's DQN / SAC ``training_step`` does, per round: sample ``rollout`` env step
 times ``sample()`` -> learner update -> ``update_priorities()``. This probe runs that loop through the buffers' public
 API, in one process, with RLlib's native ``PrioritizedEpisodeReplayBuffer`` and with
 ``ConduitPrioritizedEpisodeReplayBuffer(deliver="torch")`` under each schedule (sync, overlap, deferred, adaptive),
-in interleaved rounds so every path sees the same machine noise:
+and with only RLlib's buffer type swapped (``type_swap``: the Conduit class with its defaults, ``deliver="episodes"``
+and ``schedule="sync"``, read by the learner off its episodes as RLlib's learner reads the native ones), in
+interleaved rounds so every path sees the same machine noise:
 
 * env: Pendulum-v1 from gymnasium with random actions, ``rollout`` steps per round, added as one RLlib
   ``SingleAgentEpisode`` chunk (RLlib's env runner adds chunks the same way);
 * learner: a torch MLP (``--hidden``) forward / backward / Adam step on the batch's ``obs`` (one torch thread); the
-  native batch's obs are read off its episodes, Conduit's come through DLPack (``ConduitBatch.take`` +
-  ``jax_to_torch``);
+  native and type_swap batches' obs are read off their episodes, the others' come through DLPack
+  (``ConduitBatch.take`` + ``jax_to_torch``);
 * exposed: the time the loop spends in ``sample()`` + ``update_priorities()`` (+ Conduit's DLPack hand-over), per
   update; ``iteration``: one round's wall time per update.
 
@@ -36,6 +38,7 @@ import numpy as np
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SCHEDULES = ("sync", "overlap", "deferred", "adaptive")
+EPISODES = ("native", "type_swap")  # the paths whose sample() returns RLlib episodes
 
 
 def _episode(env, obs, rollout: int, index: int):
@@ -65,7 +68,8 @@ def run(args) -> dict:
     obs, _ = env.reset(seed=0)
     episodes = 0
     common = {"capacity": args.capacity, "alpha": 0.6}
-    paths = {"native": PrioritizedEpisodeReplayBuffer(**common)}
+    paths = {"native": PrioritizedEpisodeReplayBuffer(**common),
+             "type_swap": conduit_rllib.ConduitPrioritizedEpisodeReplayBuffer(**common, seed=0)}
     for schedule in SCHEDULES:
         paths[schedule] = conduit_rllib.ConduitPrioritizedEpisodeReplayBuffer(**common, deliver="torch",
                                                                             schedule=schedule, seed=0)
@@ -96,8 +100,8 @@ def run(args) -> dict:
         exposed = time.perf_counter() - add
         for _ in range(updates):
             t = time.perf_counter()
-            batch = buffer.sample(num_items=args.batch, n_step=1, beta=0.4)
-            if name == "native":
+            batch = buffer.sample(num_items=args.batch, n_step=args.n_step, beta=0.4)
+            if name in EPISODES:
                 obs_batch = torch.as_tensor(np.stack([e.get_observations(0) for e in batch]), dtype=torch.float32)
             else:
                 obs_batch = jax_to_torch(batch.take()["obs"])
@@ -124,14 +128,14 @@ def run(args) -> dict:
                              "exposed_mean_us": float(np.mean(record["exposed"]) * 1e6),
                              "iteration_us": float(np.median(record["iteration"]) * 1e6),
                              "rounds": len(record["exposed"])}
-            if name != "native":
+            if name not in EPISODES:
                 summary[name]["stats"] = {k: v for k, v in paths[name].stats().items() if k.startswith("drawn_")}
         for name in paths:
             summary[name]["exposed_vs_native"] = summary[name]["exposed_us"] / summary["native"]["exposed_us"] - 1
             summary[name]["exposed_vs_sync"] = summary[name]["exposed_us"] / summary["sync"]["exposed_us"] - 1
         result[f"updates_{updates}"] = summary
-        print(f"updates per env round: {updates} (rollout {args.rollout} steps, batch {args.batch}, hidden "
-              f"{args.hidden})")
+        print(f"updates per env round: {updates} (rollout {args.rollout} steps, batch {args.batch}, n_step "
+              f"{args.n_step}, hidden {args.hidden})")
         print(f"  {'path':10s} {'exposed us':>11s} {'mean us':>9s} {'vs native':>10s} {'vs sync':>8s} "
               f"{'iteration us':>13s}  drawn ahead (after update / after sample / waited)")
         for name, row in summary.items():
@@ -150,6 +154,7 @@ def parse_args(argv) -> argparse.Namespace:
     parser.add_argument("--updates", type=int, nargs="+", default=[1, 4], help="learner updates per env round")
     parser.add_argument("--rollout", type=int, default=4, help="env steps per round (RLlib's rollout fragment)")
     parser.add_argument("--batch", type=int, default=128)
+    parser.add_argument("--n-step", type=int, default=1, help="sample()'s n_step (RLlib's DQN default: 1)")
     parser.add_argument("--hidden", type=int, default=256, help="the learner MLP's width")
     parser.add_argument("--capacity", type=int, default=50_000)
     parser.add_argument("--learning-starts", type=int, default=2_000)

@@ -235,6 +235,17 @@ def test_buffer_returns_rllib_episodes_and_n_step_one():
     assert metrics["num_env_steps_added_lifetime"] == sum(length for _, length, _ in CHUNKS)
 
 
+def test_n_step_longer_than_every_episode_is_refused_at_once():
+    """With no stored episode of n steps RLlib's PER would resample forever; the Conduit one refuses after its first
+    draw, naming n_step, and nothing changes: the sampled-steps counter stays, the next valid sample works."""
+    buffer = conduit_rllib.ConduitPrioritizedEpisodeReplayBuffer(capacity=64, alpha=0.6)
+    buffer.add(_unique_episodes(0, 5, length=2))
+    with pytest.raises(ValueError, match=r"1 draw kernel\(s\) found 0 of the 8 steps asked for with n_step=3"):
+        buffer.sample(num_items=8, n_step=3)
+    assert buffer.get_sampled_timesteps() == 0
+    assert len(buffer.sample(num_items=8, n_step=2)) == 8 and buffer.get_sampled_timesteps() == 8
+
+
 def test_prioritized_buffer_follows_priorities_and_beta():
     buffer = conduit_rllib.ConduitPrioritizedEpisodeReplayBuffer(capacity=64, alpha=1.0, beta=0.5, deliver="torch")
     buffer.add(_episodes())
@@ -693,7 +704,7 @@ def test_rllib_schedules_probe_runs_every_path(tmp_path):
     result = rllib_schedules.main(["--rounds", "2", "--block", "2", "--warmup", "1", "--updates", "2",
                                    "--learning-starts", "64", "--batch", "16", "--hidden", "8", "--out", str(out)])
     summary = result["results"]["updates_2"]
-    assert list(summary) == ["native", *rllib_schedules.SCHEDULES]
+    assert list(summary) == [*rllib_schedules.EPISODES, *rllib_schedules.SCHEDULES]
     for path, row in summary.items():
         assert row["rounds"] == 2 and row["exposed_us"] > 0 and row["iteration_us"] >= row["exposed_us"]
     assert summary["sync"]["stats"]["drawn_ahead_after_update"] + summary["sync"]["stats"][

@@ -201,35 +201,56 @@ def test_one_high_priority_step_takes_most_draws(cls):
         assert share > 0.8, share
 
 
-@pytest.mark.parametrize("cls", PRIORITIZED, ids=by_name)
-def test_short_episodes_whose_unfitting_steps_hold_most_priority(cls):
+def _steps(batch) -> np.ndarray:
+    return np.array([transition(e)[0] % 1000 for e in batch])
+
+
+def short_episodes(cls, low: float, high: float):
     """4-step episodes and 3-step windows: only steps 0 and 1 fit. The other steps are never drawn, so they keep the
-    first (largest) priority 1.0, while updates lower step 0 to 0.05 and step 1 to 0.2: 89% of the priority mass
-    sits on steps that never fit. Every window still fits, and the fitting steps are drawn by priority (step 1 in
-    0.2 / 0.25 = 80% of draws; binomial test). The Conduit buffer sizes its draw by the share that fitted before, so
-    after the first batches each ``sample()`` runs one kernel."""
+    first (largest) priority 1.0, while 40 rounds of updates set step 0 to ``low`` and step 1 to ``high`` (alpha 1)."""
     rng = np.random.default_rng(12)
     buffer = cls(capacity=1000, alpha=1.0)
     for k in range(50):
         buffer.add(episode(rng, 4, id_=str(k), offset=1000.0 * k))
+    draw_short(buffer, low, high, 40)
+    return buffer
 
-    def steps(batch):
-        return np.array([transition(e)[0] % 1000 for e in batch])
 
-    for _ in range(40):
-        buffer.update_priorities(np.where(steps(buffer.sample(batch_size_B=32, n_step=3)) == 0, 0.05, 0.2))
-    kernels = buffer.stats()["sample_kernels"] if hasattr(buffer, "stats") else None
+def draw_short(buffer, low: float, high: float, batches: int) -> np.ndarray:
+    """The steps of ``batches`` batches of 32 (each window checked), priorities updated as ``short_episodes`` says."""
     drawn = []
-    for _ in range(20):
+    for _ in range(batches):
         batch = buffer.sample(batch_size_B=32, n_step=3)
         assert all(transition(e)[3] == transition(e)[0] + 3 for e in batch)  # o_(t+3) of the same episode
-        drawn.append(steps(batch))
-        buffer.update_priorities(np.where(drawn[-1] == 0, 0.05, 0.2))
-    drawn = np.concatenate(drawn)
+        drawn.append(_steps(batch))
+        buffer.update_priorities(np.where(drawn[-1] == 0, low, high))
+    return np.concatenate(drawn)
+
+
+@pytest.mark.parametrize("cls", PRIORITIZED, ids=by_name)
+def test_short_episodes_whose_unfitting_steps_hold_most_priority(cls):
+    """Steps 0 / 1 at 0.05 / 0.2 (``short_episodes``): 89% of the priority mass sits on steps that never fit. Every
+    window still fits, and the fitting steps are drawn by priority (step 1 in 0.2 / 0.25 = 80% of draws; binomial
+    test). The Conduit buffer sizes its draw by the share that fitted before: one kernel per ``sample()``."""
+    buffer = short_episodes(cls, 0.05, 0.2)
+    kernels = buffer.stats()["sample_kernels"] if hasattr(buffer, "stats") else None
+    drawn = draw_short(buffer, 0.05, 0.2, 20)
     assert set(drawn) <= {0, 1}
     assert stats.binomtest(int(np.sum(drawn == 1)), drawn.size, 0.8).pvalue > 1e-3
     if kernels is not None:
         assert buffer.stats()["sample_kernels"] - kernels <= 25  # 20 batches
+
+
+def test_fitting_steps_with_almost_no_priority_are_joined_from_several_draws():
+    """Steps 0 / 1 at 1e-4 / 4e-4: the steps that fit hold 0.025% of the mass, fewer than 32 fit even in the largest
+    draw kernel, so the Conduit buffer joins the fitting steps of several (RLlib's buffer resamples ~4,000 times a
+    step here, so only the Conduit class runs this). Still step 1 in 80% of draws."""
+    buffer = short_episodes(conduit_rllib.ConduitPrioritizedEpisodeReplayBuffer, 1e-4, 4e-4)
+    kernels = buffer.stats()["sample_kernels"]
+    drawn = draw_short(buffer, 1e-4, 4e-4, 10)
+    assert buffer.stats()["sample_kernels"] - kernels > 20  # several kernels per batch
+    assert set(drawn) <= {0, 1}
+    assert stats.binomtest(int(np.sum(drawn == 1)), drawn.size, 0.8).pvalue > 1e-3
 
 
 @pytest.mark.parametrize("cls", PRIORITIZED, ids=by_name)

@@ -50,8 +50,9 @@ How: steps are items of a Conduit buffer (``samplers.prioritized``; ``alpha=0`` 
 kernel draws, follows the links for n-step windows (``Buffer.read``), redraws what RLlib would, and computes the
 weights. For PER's redraw it draws more steps than the batch needs, as many as the share of fitting windows in
 earlier draws asks for (``candidate_count``), so one kernel suffices even when most of the priority mass sits on
-steps near an episode's end (short episodes). An ``add`` that would overwrite a step RLlib keeps (one episode longer than ``2 * capacity``) is refused with
-a ``ValueError`` and changes nothing.
+steps near an episode's end (short episodes); where even its largest draw has too few, the fitting steps of several
+draws are joined, as RLlib resamples one step at a time. An ``add`` that would overwrite a step RLlib keeps (one episode
+longer than ``2 * capacity``) is refused with a ``ValueError`` and changes nothing.
 
 * **Sequences** (uniform buffer, ``sample_episodes=False``, RLlib's default there): RLlib's ``[B, T]`` batch of
   ``obs``, ``actions``, ``rewards``, ``is_first``, ``is_last``, ``is_terminated``, ``is_truncated`` (rows that run
@@ -133,6 +134,7 @@ _KNOWN_KWARGS = {"type", "metrics_num_episodes_for_smoothing"}
 SCHEDULES = ("sync", "overlap", "deferred", "adaptive")
 ADAPTIVE_WAIT_SHARE = 0.1  # adaptive: overlap gives way once sample() waits more than this share of a learner update
 ADAPTIVE_RETRY_AFTER = 32  # adaptive: overlap is tried again after this many batches drawn the deferred way
+MOST_CANDIDATES = 1 << 14  # PER's redraw: steps one draw kernel takes by priority at most (beyond 64 x the batch)
 _BUFFERS: dict = {}  # (layout, sampler batch size) -> functional Buffer; the state is each buffer's own
 _KERNELS: dict = {}  # (layout, kind, static arguments) -> jitted kernel
 
@@ -292,6 +294,15 @@ def _exact_values(host: dict, gamma: float) -> dict:
     return host
 
 
+def _joined(parts: list) -> _Drawn:
+    """One batch from the first ``take`` rows of each ``(draw, take)``: the rows whose window fitted, which a draw
+    puts first (in random order)."""
+    first = parts[0][0]
+    columns = {k: jnp.concatenate([drawn.columns[k][:take] for drawn, take in parts]) for k in first.columns}
+    ids = jnp.concatenate([drawn.ids[:take] for drawn, take in parts])
+    return _Drawn(first.request, columns, ids, jnp.asarray(True), jnp.int32(ids.shape[0]), first.candidates)
+
+
 def _to_host(tree):
     """A pytree of JAX arrays as NumPy arrays (read-only), once computed. On the CPU ``np.asarray`` reads each buffer
     in place, about 1 us an array where ``jax.device_get`` took ~10 us (10 ready [32, 3] arrays: 96 -> 10 us
@@ -338,10 +349,11 @@ def _bucket(n: int) -> int:
 def candidate_count(need: int, share: float) -> int:
     """How many steps a draw takes by priority when a ``share`` of the priority mass sits on steps whose n-step window
     fits and ``need`` of those must be among them: the binomial mean at least three standard deviations (plus 4) above
-    ``need``, at most ``64 * need``; rounded up to a quarter of a power of two, so few kernel sizes ever compile."""
-    target = math.ceil(min((need + 3 * math.sqrt(need) + 4) / max(share, 1e-6), 64 * need))
-    quarter = max((1 << (target.bit_length() - 1)) // 4, 1)
-    return -(-target // quarter) * quarter
+    ``need``, at most ``max(64 * need, MOST_CANDIDATES)`` (a smaller share takes several draws); rounded up to a
+    power of two, so a share that drifts compiles few kernel sizes (finer sizes compiled one kernel after another
+    while priorities moved the share: 12 s of a 40-round warm-up here)."""
+    target = math.ceil(min((need + 3 * math.sqrt(need) + 4) / max(share, 1e-9), max(64 * need, MOST_CANDIDATES)))
+    return _bucket(target)
 
 
 class _ConduitEpisodeBuffer:
@@ -527,7 +539,7 @@ class _ConduitEpisodeBuffer:
             end = buffer.read(state, last)
             if redraw:
                 order = jnp.argsort(jnp.where(fits, jax.random.uniform(key, rows.shape), 2.0))[:size]
-                fitting = jnp.sum(fits, dtype=jnp.int32)
+                fitting = jnp.where(delivery.valid, jnp.sum(fits, dtype=jnp.int32), 0)
             else:  # every candidate, in random order: the host may drop the shard padding off the end
                 order, fitting = jax.random.permutation(key, size), jnp.int32(size)
             weights = jnp.power(delivery.weights, beta) if prioritized else jnp.ones(rows.shape, jnp.float32)
@@ -952,16 +964,23 @@ class _ConduitEpisodeBuffer:
                 self._ahead = adaptive_choice(self._ahead, waited, self._learner_s, self._deferred_run)
             if not self._fitted(drawn) or drawn.request != request:
                 drawn = None  # drawn for another request (or short of fitting windows): draw now
-        attempt = 0
+        attempt, parts, found = 0, [], 0  # parts: (draw, its first rows that fit), while no draw alone has enough
         while drawn is None:
             candidate = self._draw(request)
-            if self._fitted(candidate):
+            if self._fitted(candidate) and not parts:
                 drawn = candidate
-            elif attempt == 63:
-                low, high = request.n_range
-                raise ValueError(f"{self._name}.sample(): 64 draws found fewer than {request.size} steps "
-                                 f"with n_step={low if low == high else (low, high + 1)} more steps in their "
-                                 f"episode; sample a smaller n_step or add longer episodes")
+                break
+            take = min(int(candidate.fitting), request.size - found)
+            if take:
+                parts.append((candidate, take))
+                found += take
+            if found == request.size:
+                drawn = _joined(parts)
+            elif attempt == 63 or not any(record.length >= request.n_range[0] for record in self._order):
+                low, high = request.n_range  # 64 kernels, or no stored episode is long enough for any window
+                raise ValueError(f"{self._name}.sample(): {attempt + 1} draw kernel(s) found {found} of the "
+                                 f"{request.size} steps asked for with n_step={low if low == high else (low, high + 1)}"
+                                 f" more steps in their episode; sample a smaller n_step or add longer episodes")
             attempt += 1
         self._last_ids = drawn.ids
         self._last_request = request
