@@ -51,8 +51,8 @@ kernel draws, follows the links for n-step windows (``Buffer.read``), redraws wh
 weights. For PER's redraw it draws more steps than the batch needs, as many as the share of fitting windows in
 earlier draws asks for (``candidate_count``), so one kernel suffices even when most of the priority mass sits on
 steps near an episode's end (short episodes); where even its largest draw has too few, the fitting steps of several
-draws are joined, as RLlib resamples one step at a time. An ``add`` that would overwrite a step RLlib keeps (one episode
-longer than ``2 * capacity``) is refused with a ``ValueError`` and changes nothing.
+draws are joined, as RLlib resamples one step at a time. An ``add`` that would overwrite a step RLlib keeps (one
+episode longer than ``2 * capacity``) is refused with a ``ValueError`` and changes nothing.
 
 * **Sequences** (uniform buffer, ``sample_episodes=False``, RLlib's default there): RLlib's ``[B, T]`` batch of
   ``obs``, ``actions``, ``rewards``, ``is_first``, ``is_last``, ``is_terminated``, ``is_truncated`` (rows that run
@@ -1104,7 +1104,7 @@ class _ConduitEpisodeBuffer:
         low, high = request.n_range
         redraw = self._redraws and high > 1
         # PER redraws a step whose episode ends within n steps: extra candidates, as many as the share of fitting
-        # windows in earlier draws asks for, so one kernel almost always has enough (another kernel when not)
+        # windows in earlier draws asks for, so one kernel almost always has enough (more, joined, when not)
         candidates = candidate_count(padded, self._fit_share.get(request.n_range, 1.0)) if redraw else padded
         candidates += (-candidates) % self.num_shards
         static = (candidates, padded, _bucket(high), redraw)
