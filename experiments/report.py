@@ -443,7 +443,8 @@ def _jax_breakdown(res: Results) -> list[str]:
     return out
 
 
-RLLIB_PATHS = (("conduit", "sync"), ("conduit_scheduled", None))  # (path, its schedule; None: the config's)
+# (path, its schedule; None: the config's); type_swap: only the buffer's type string changed, RLlib's own learner
+RLLIB_PATHS = (("conduit", "sync"), ("conduit_scheduled", None), ("type_swap", "sync, type string only"))
 
 
 def _rllib_changes(src: Source, path: str = "conduit") -> dict | None:
@@ -469,7 +470,9 @@ def _rllib_schedule(src: Source, path: str, schedule: str | None) -> str:
     if schedule is None:
         return config.get("schedule", "?")
     # files from before the scheduled path ran the "conduit" path with --schedule
-    return schedule if "conduit_scheduled" in (config.get("paths") or ()) else config.get("schedule", schedule)
+    if path != "conduit" or "conduit_scheduled" in (config.get("paths") or ()):
+        return schedule
+    return config.get("schedule", schedule)
 
 
 def _rllib_schedules(res: Results) -> list[str]:

@@ -12,6 +12,10 @@ DQN with prioritized replay on CartPole-v1 (``--algo dqn``, the default):
   reaches torch through DLPack), ``schedule="sync"``.
 * ``conduit_scheduled``: the same with ``schedule=--schedule`` (default ``overlap``: the next batch is drawn right
   after each priority update, while RLlib's training step samples the env and adds; RLlib's code is unchanged).
+* ``type_swap`` (only with ``--paths``; also for SAC): nothing changed but the buffer's type string,
+  ``conduit_rllib.ConduitPrioritizedEpisodeReplayBuffer`` with its defaults (``deliver="episodes"``,
+  ``schedule="sync"``), and RLlib's own learner and connector pipeline (SAC: in ``ConduitSACConfig``, whose
+  validation accepts the Conduit type).
 
 PPO on CartPole-v1 (``--algo ppo``):
 
@@ -94,7 +98,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-PATHS = ("native", "conduit", "conduit_scheduled")  # conduit: schedule "sync"; conduit_scheduled: --schedule
+# conduit: schedule "sync"; conduit_scheduled: --schedule; type_swap (DQN / SAC, only with --paths): RLlib's learner
+PATHS = ("native", "conduit", "conduit_scheduled", "type_swap")
+DEFAULT_PATHS = PATHS[:3]
 CONDUIT_PATHS = PATHS[1:]
 # what the paper reports on 8x A100 (issue #6): experience-path share of the iteration, and the DQN iteration latency
 PAPER = {"experience_path_share": {"dqn": 0.502, "ppo": 0.262}, "iteration_latency_change": {"dqn": -0.38}}
@@ -225,6 +231,9 @@ def dqn_config(path: str, seed: int, args):
     if path == "native":
         buffer = {"type": "experiments.rllib_compare.TimedPrioritizedEpisodeReplayBuffer", **common}
         learner = module.TimedDQNTorchLearner
+    elif path == "type_swap":
+        buffer = {"type": "conduit_rllib.ConduitPrioritizedEpisodeReplayBuffer", **common}
+        learner = module.TimedDQNTorchLearner
     else:
         buffer = {"type": "conduit_rllib.ConduitPrioritizedEpisodeReplayBuffer", **common, "n_step": args.n_step,
                   "deliver": "torch", "schedule": _schedule(path, args), "seed": seed}
@@ -267,6 +276,10 @@ def sac_config(path: str, seed: int, args):
     if path == "native":
         config = module.TimedBufferSACConfig()
         buffer = {"type": "experiments.rllib_compare.TimedPrioritizedEpisodeReplayBuffer", **common}
+        learner = module.TimedSACTorchLearner
+    elif path == "type_swap":
+        config = ConduitSACConfig()
+        buffer = {"type": "conduit_rllib.ConduitPrioritizedEpisodeReplayBuffer", **common}
         learner = module.TimedSACTorchLearner
     else:
         config = ConduitSACConfig()
@@ -511,7 +524,7 @@ def _table(summary: dict) -> str:
 # ----------------------------------------------------------------------------------------------------------------------
 # figure
 # ----------------------------------------------------------------------------------------------------------------------
-COLORS = {"native": "tab:blue", "conduit": "tab:orange", "conduit_scheduled": "tab:green"}
+COLORS = {"native": "tab:blue", "conduit": "tab:orange", "conduit_scheduled": "tab:green", "type_swap": "tab:red"}
 
 
 def _mean_curve(curves: list[dict]):
@@ -646,7 +659,9 @@ def parse_args(argv) -> argparse.Namespace:
     args = parser.parse_args(argv)
     quick = args.quick
     args.seeds = args.seeds or ([0] if quick else [0, 1, 2])
-    args.paths = args.paths or list(PATHS if args.algo != "ppo" else PATHS[:2])
+    args.paths = args.paths or list(DEFAULT_PATHS if args.algo != "ppo" else PATHS[:2])
+    if args.algo == "ppo" and not set(args.paths) <= set(PATHS[:2]):
+        parser.error(f"--paths: PPO runs native and conduit, got {args.paths}")
     args.warmup = args.warmup if args.warmup is not None else 2
     args.final_iterations = args.final_iterations or (2 if quick else 5)
     for name, (full, short) in DEFAULTS[args.algo].items():

@@ -129,6 +129,10 @@ def test_parse_args_defaults_and_output_paths():
     full = rc.parse_args(["--algo", "sac", "--iterations", "3", "--train-batch-size", "64"])
     assert full.seeds == [0, 1, 2] and full.iterations == 3 and full.train_batch_size == 64
     assert rc.parse_args(["--algo", "dqn"]).train_batch_size == 32
+    assert rc.parse_args(["--algo", "dqn"]).paths == ["native", "conduit", "conduit_scheduled"]  # type_swap: opt in
+    assert rc.parse_args(["--paths", "native", "type_swap"]).paths == ["native", "type_swap"]
+    with pytest.raises(SystemExit):
+        rc.parse_args(["--algo", "ppo", "--paths", "native", "type_swap"])
     assert rc.default_out("sac", False).name == "rllib_compare_sac.json"
     assert rc.default_out("ppo", True).name == "rllib_compare_ppo_quick.json"
     assert rc.default_out("dqn", False).parent.name == "results"
