@@ -491,7 +491,8 @@ def _rllib_schedules(res: Results) -> list[str]:
                          pct(row["exposed_vs_sync"]), us(row["iteration_us"]), drawn])
     out += table(["updates per env round", "buffer", "exposed per update", "vs native", "vs sync",
                   "iteration per update", "drawn ahead (after update / after sample / waited)"], rows)
-    out += [("RLlib's loop (env rollout, add, then per update: sample, learner, update_priorities) through the "
+    out += [("RLlib's loop (env rollout, add, then per update: sample, get_metrics, learner, update_priorities) "
+             "through the "
              "buffers' public API, all paths in interleaved rounds of one process; exposed is the time in the "
              "buffer's calls (and Conduit's DLPack hand-over); type_swap is the Conduit class with only RLlib's "
              "buffer type changed (episodes, sync), read as native's. With several updates per round nothing "

@@ -1,7 +1,7 @@
 """Claim: inside RLlib's off-policy loop, a Conduit buffer's schedule hides the replay draw behind the learner.
 
 RLlib's DQN / SAC ``training_step`` does, per round: sample ``rollout`` env steps and ``add`` them, then ``updates``
-times ``sample()`` -> learner update -> ``update_priorities()``. This probe runs that loop through the buffers' public
+times ``sample()`` -> ``get_metrics()`` -> learner update -> ``update_priorities()``. This probe runs that loop through the buffers' public
 API, in one process, with RLlib's native ``PrioritizedEpisodeReplayBuffer`` and with
 ``ConduitPrioritizedEpisodeReplayBuffer(deliver="torch")`` under each schedule (sync, overlap, deferred, adaptive),
 and with only RLlib's buffer type swapped (``type_swap``: the Conduit class with its defaults, ``deliver="episodes"``
@@ -13,8 +13,8 @@ interleaved rounds so every path sees the same machine noise:
 * learner: a torch MLP (``--hidden``) forward / backward / Adam step on the batch's ``obs`` (one torch thread); the
   native and type_swap batches' obs are read off their episodes, the others' come through DLPack
   (``ConduitBatch.take`` + ``jax_to_torch``);
-* exposed: the time the loop spends in ``sample()`` + ``update_priorities()`` (+ Conduit's DLPack hand-over), per
-  update; ``iteration``: one round's wall time per update.
+* exposed: the time the loop spends in ``add()``, ``sample()``, ``get_metrics()`` and ``update_priorities()`` (+
+  Conduit's DLPack hand-over), per update; ``iteration``: one round's wall time per update.
 
 ``updates`` = 1 leaves a whole env rollout between an update and the next ``sample()``, where overlap's draw runs;
 ``updates`` = 4 (a high ``training_intensity``) leaves nothing between back-to-back updates, where only deferred's
@@ -105,6 +105,7 @@ def run(args) -> dict:
                 obs_batch = torch.as_tensor(np.stack([e.get_observations(0) for e in batch]), dtype=torch.float32)
             else:
                 obs_batch = jax_to_torch(batch.take()["obs"])
+            buffer.get_metrics()  # RLlib's DQN reads the buffer's metrics after every sample()
             exposed += time.perf_counter() - t
             td = learn(obs_batch)
             t = time.perf_counter()

@@ -673,28 +673,6 @@ def test_sequences_of_episodes_refuse_bad_arguments_and_change_nothing():
                                                                                  sample_episodes=True)
 
 
-def test_coalesced_metrics_reduce_as_rllibs_logger():
-    """The buffers' metrics logger queues RLlib's metric calls and coalesces them; get_metrics() returns what RLlib's
-    own MetricsLogger returns for the same calls (RLlib's _update_add_metrics / _update_sample_metrics), read after
-    one call and after many, with evictions, window overflow (smoothing 3) and resamples."""
-    from ray.rllib.utils.metrics.metrics_logger import MetricsLogger
-
-    buffers = [conduit_rllib.ConduitPrioritizedEpisodeReplayBuffer(capacity=60, metrics_num_episodes_for_smoothing=3,
-                                                                 seed=5) for _ in range(2)]
-    buffers[1].metrics = MetricsLogger(root=False)
-    assert isinstance(buffers[0].metrics, conduit_rllib.metrics.CoalescedMetricsLogger)
-    episode = 0
-    for calls in (1, 7, 1, 20):
-        for _ in range(calls):
-            new = _unique_episodes(episode, 1 + episode % 3, length=4 + episode % 7)  # the windowed means vary
-            episode += 1
-            for buffer in buffers:
-                buffer.add(new)
-                buffer.sample(num_items=4 + 4 * (episode % 2), n_step=(1, 3), sample_episodes=True)
-        got, want = (MetricsLogger.peek_results(buffer.get_metrics()) for buffer in buffers)
-        assert got == want and got
-
-
 def test_rllib_schedules_probe_runs_every_path(tmp_path):
     """experiments/rllib_schedules.py, tiny: every buffer runs RLlib's loop, each measured round is recorded, and
     the scheduled Conduit buffers say where they drew ahead."""

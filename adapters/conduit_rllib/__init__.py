@@ -11,7 +11,6 @@
   ``with_buffer_checkpoints(Algo)`` -- ``algorithms.py`` / ``checkpoint.py``; ``ConduitSACConfig`` lets SAC's config
   validation accept a Conduit buffer type.
 * The DLPack bridge: ``jax_to_torch``, ``torch_to_jax`` and what is zero-copy -- ``dlpack.py``.
-* The buffers' metrics: RLlib's ``MetricsLogger`` with its calls coalesced until read -- ``metrics.py``.
 
 This package is the only place where Conduit code imports torch or ray; ``conduit_jax`` never does.
 """

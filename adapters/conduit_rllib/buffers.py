@@ -112,6 +112,7 @@ from ray.rllib.env.multi_agent_episode import MultiAgentEpisode
 from ray.rllib.env.single_agent_episode import SingleAgentEpisode
 from ray.rllib.env.utils.infinite_lookback_buffer import InfiniteLookbackBuffer
 from ray.rllib.utils import force_list
+from ray.rllib.utils.metrics.metrics_logger import MetricsLogger
 from ray.rllib.utils.replay_buffers.episode_replay_buffer import EpisodeReplayBuffer
 from ray.rllib.utils.replay_buffers.multi_agent_episode_buffer import MultiAgentEpisodeReplayBuffer
 from ray.rllib.utils.replay_buffers.multi_agent_prioritized_episode_buffer import (
@@ -119,7 +120,6 @@ from ray.rllib.utils.replay_buffers.multi_agent_prioritized_episode_buffer impor
 from ray.rllib.utils.replay_buffers.prioritized_episode_buffer import PrioritizedEpisodeReplayBuffer
 
 from conduit_jax import ExperienceSpec, default_mesh, make_buffer, samplers
-from conduit_rllib.metrics import CoalescedMetricsLogger
 
 logger = logging.getLogger(__name__)
 
@@ -397,7 +397,7 @@ class _ConduitEpisodeBuffer:
         self.deliver = deliver
         self.schedule = schedule
         self.rng = np.random.default_rng(seed)
-        self.metrics = CoalescedMetricsLogger(root=False)
+        self.metrics = MetricsLogger(root=False)
         self._metrics_num_episodes_for_smoothing = metrics_num_episodes_for_smoothing
         self.observation_space = None
         self.action_space = None
@@ -1440,7 +1440,7 @@ class _ConduitMultiAgentBuffer:
             setattr(self, key, getattr(check, key))
         self.deliver, self.agents_per_module = deliver, agents_per_module
         self.rng = np.random.default_rng(seed)
-        self.metrics = CoalescedMetricsLogger(root=False)
+        self.metrics = MetricsLogger(root=False)
         self._metrics_num_episodes_for_smoothing = metrics_num_episodes_for_smoothing
         self.timings = collections.defaultdict(float)  # seconds spent in add / sample / update_priorities
         self._reset()
