@@ -65,22 +65,17 @@ progress line per iteration. ``--from-json FILE`` re-summarizes and re-plots a s
 
 Run times measured on 2 CPU cores shared with other work (load average 2-7 during the runs; one ``--algo`` at a
 time): ``--quick`` (1 seed, both paths) takes about 25 s (DQN, PPO) to 1 minute (SAC). The full results in
-``experiments/results/rllib_compare_<algo>.json|png|log`` came from (SAC, PPO: 3 seeds x 2 paths, before the scheduled
-path existed; DQN: 5 seeds x 3 paths)
+``experiments/results/rllib_compare_<algo>.json|png|log`` came from (PPO: 3 seeds x 2 paths; SAC: 5 seeds x 3 paths;
+DQN: 5 seeds x 4 paths)
 
-* ``python -m experiments.rllib_compare --algo sac``: 12 x 1000 env steps per run (500 updates of 128 per iteration),
-  1153 s;
-* ``python -m experiments.rllib_compare --algo dqn --seeds 0 1 2 3 4 --iterations 14``: 16 x 1000 env steps per
-  run (250 updates of 32), 1681 s;
+* ``python -m experiments.rllib_compare --algo sac --seeds 0 1 2 3 4 --schedule adaptive``: 12 x 1000 env steps per
+  run (500 updates of 128 per iteration), 3326 s;
+* ``python -m experiments.rllib_compare --algo dqn --seeds 0 1 2 3 4 --iterations 14 --schedule adaptive --paths
+  native conduit conduit_scheduled type_swap``: 16 x 1000 env steps per run (250 updates of 32), 1243 s;
 * ``python -m experiments.rllib_compare --algo ppo``: 18 x 4000 env steps per run (10 epochs of 128-row
-  minibatches), 430 s.
+  minibatches), 383 s.
 
-What they measured (median iteration, conduit vs native; experience-path share native -> conduit): SAC -30.0%
-(34.1% -> 4.8%), DQN sync -2.9% and overlap -12.5% (26.2% -> 14.0% / 10.4%), PPO +11.2% (2.6% -> 6.1%: the plane's
-epoch staging costs more than RLlib's slicing of a 4000-row batch on CPU). Final returns (mean of the last 5
-iterations, mean +- std over the seeds, native vs conduit): SAC -361 +- 101 vs -294 +- 108 (Welch p 0.47), DQN
-267 +- 50 vs sync 231 +- 128 (p 0.58; seed 0 collapses to ~10, the same way when rerun) and overlap 266 +- 49
-(p 0.97), PPO 362 +- 103 vs 318 +- 23 (p 0.53): no significant difference (tests of low power at 3-5 seeds).
+What they measured is in ``experiments/REPORT.md`` (``python -m experiments.report``), from those files.
 """
 
 from __future__ import annotations
