@@ -541,7 +541,7 @@ class _ConduitEpisodeBuffer:
                 order = jnp.argsort(jnp.where(fits, jax.random.uniform(key, rows.shape), 2.0))[:size]
                 fitting = jnp.where(delivery.valid, jnp.sum(fits, dtype=jnp.int32), 0)
             else:  # every candidate, in random order: the host may drop the shard padding off the end
-                order, fitting = jax.random.permutation(key, size), jnp.int32(size)
+                order, fitting = jax.random.permutation(key, size), jnp.where(delivery.valid, size, 0)
             weights = jnp.power(delivery.weights, beta) if prioritized else jnp.ones(rows.shape, jnp.float32)
             columns = {Columns.OBS: delivery.data["obs"], Columns.NEXT_OBS: end["next_obs"],
                        Columns.ACTIONS: delivery.data["action"], Columns.REWARDS: ret,
@@ -976,8 +976,9 @@ class _ConduitEpisodeBuffer:
                 found += take
             if found == request.size:
                 drawn = _joined(parts)
-            elif attempt == 63 or not any(record.length >= request.n_range[0] for record in self._order):
-                low, high = request.n_range  # 64 kernels, or no stored episode is long enough for any window
+            elif attempt == 63 or (attempt == 0 and not any(record.length >= request.n_range[0]
+                                                            for record in self._order)):
+                low, high = request.n_range  # 64 kernels, or (checked once) no episode is long enough
                 raise ValueError(f"{self._name}.sample(): {attempt + 1} draw kernel(s) found {found} of the "
                                  f"{request.size} steps asked for with n_step={low if low == high else (low, high + 1)}"
                                  f" more steps in their episode; sample a smaller n_step or add longer episodes")
