@@ -11,9 +11,12 @@ own calls (``ingest``, ``update_priorities``) never wait for a kernel the worker
 The plane wakes the worker (``kick``) after every call that can make work possible (a delivery, an ingest, a
 policy-version switch, a new state); after a delivery it wakes it a tenth of a learner step later (at most
 ``REFILL_DELAY_MAX``), so the refill's Python does not take the GIL from the learner's thread while that thread waits
-for its batch and dispatches its step; ``settle`` waits until the worker has done everything it can do now, which
-gives calls that read the plane's host bookkeeping (``stats``, ``save``, ``held``) the state they would see without
-a thread. An exception raised on the worker is kept and raised by the learner's next ``deliver()``
+for its batch and dispatches its step. A learner that calls ``deliver()`` at a steady pace is not woken at all: the
+idle worker naps until the refill it forecasts (``Scheduler.wake_at``), and a kick that falls due by then leaves it
+asleep, since waking another thread cost the learner's thread tens of microseconds on a 2-core host. The worker also
+records each delivery in the plane's timeline, off the learner's thread. ``settle`` waits until the worker has done
+everything it can do now, which gives calls that read the plane's host bookkeeping (``stats``, ``save``, ``held``)
+the state they would see without a thread. An exception raised on the worker is kept and raised by the learner's next ``deliver()``
 (``raise_error``); the worker carries on with the next kick.
 
 Lifetime: the thread holds no reference to the plane (``poll`` reaches it through a weak reference), so an unclosed
@@ -53,12 +56,14 @@ class DeliveryWorker:
     returns None or ``inside``, which runs under the lock. Then the worker polls again.
     """
 
-    def __init__(self, lock, poll: Callable[[], Optional[Callable]], name: str):
+    def __init__(self, lock, poll: Callable[[], Optional[Callable]], name: str,
+                 wake_at: Callable[[], Optional[float]] = lambda: None):
         # its own condition over the plane's lock: the plane's notifications (every ingest and sample) do not wake
         # the thread, only a kick does (on a 2-core host each needless wake-up took the GIL from the learner's thread)
-        self._lock, self._poll = threading.Condition(lock), poll
+        self._lock, self._poll, self._wake_at = threading.Condition(lock), poll, wake_at
         self._kicked = False  # work may be possible: poll again
         self._not_before = 0.0  # a kick with a delay: poll from this time.perf_counter() on
+        self._napping_until: Optional[float] = None  # idle in a timed wait that ends then (wake_at's forecast)
         self._busy = False  # between a kick and the poll that finds nothing to do
         self._closed = False
         self._error: Optional[BaseException] = None
@@ -69,11 +74,14 @@ class DeliveryWorker:
     # -- called by the plane, holding the lock ------------------------------------------------------------------------
     def kick(self, delay: float = 0.0) -> None:
         """Something changed: poll again, ``delay`` seconds from now (an earlier kick's delay is cut to this one's).
-        The caller holds the lock."""
+        The caller holds the lock. A worker napping until at most ``REFILL_DELAY_MAX`` after that is not woken: its
+        nap's end is the wake-up, and the kicking thread keeps the GIL."""
         now = time.perf_counter()
         self._not_before = now + delay if not self._kicked else min(self._not_before, now + delay)
         self._kicked = True
-        self._lock.notify_all()
+        napping_until = self._napping_until
+        if napping_until is None or napping_until > self._not_before + REFILL_DELAY_MAX:
+            self._lock.notify_all()
 
     @property
     def idle(self) -> bool:
@@ -85,6 +93,8 @@ class DeliveryWorker:
         thread (a ``poll`` that reads the plane) there is nothing to wait for."""
         if threading.current_thread() is self._thread:
             return
+        if self._kicked:  # napping on a kick: the work is wanted now
+            self._lock.notify_all()
         while not self.idle:
             self._lock.wait()
 
@@ -133,12 +143,26 @@ class DeliveryWorker:
                             break
                         self._busy = False
                         self._lock.notify_all()  # settle() waits for this
-                    self._lock.wait()
+                    self._idle_wait()
                 if self._closed:
                     self._busy = False
                     self._lock.notify_all()
                     return
             after = self._guarded(outside)  # without the lock: returns None or what runs under it next
+
+    def _idle_wait(self) -> None:
+        """Wait for a kick, under the lock. Where ``wake_at`` forecasts when the next kick is due (a learner that
+        calls deliver() at a steady pace), nap until then instead: the kick then needs no wake-up (see ``kick``)."""
+        wake_at = self._wake_at()
+        nap = None if wake_at is None else wake_at - time.perf_counter()
+        if nap is None or nap <= 0:
+            self._lock.wait()
+            return
+        self._napping_until = wake_at
+        try:
+            self._lock.wait(nap)
+        finally:
+            self._napping_until = None
 
     def _guarded(self, step: Optional[Callable]) -> Optional[Callable]:
         """``step()``, an exception kept for ``raise_error`` (the first one until it is raised)."""
@@ -224,11 +248,12 @@ class Scheduler:
     The plane's side comes as callables that reach it through a weak reference (so the worker's thread keeps no
     plane alive): ``draw(recycle=, timeout=)`` dispatches one batch (``plane.sample``), ``admits()`` tells whether
     the plane would deliver one now without waiting, ``pend(checked)`` queues checked priority updates for the next
-    kernel, ``refresh(delivery)`` re-checks a delivery's staleness mask against the current policy version.
+    kernel, ``refresh(delivery)`` re-checks a delivery's staleness mask against the current policy version. Each
+    deliver() goes into ``timeline`` (the plane's) when the worker next runs, or at ``settle`` / ``close``.
     """
 
-    def __init__(self, schedule, lock: threading.RLock, capacity: int, *, draw, admits, pend, refresh):
-        self.schedule, self.lock = schedule, lock
+    def __init__(self, schedule, lock: threading.RLock, capacity: int, timeline, *, draw, admits, pend, refresh):
+        self.schedule, self.lock, self.timeline = schedule, lock, timeline
         self._draw, self._admits, self._pend, self._refresh = draw, admits, pend, refresh
         self.in_flight: collections.deque = collections.deque()  # Prefetched, oldest first
         self.deferred = DeferredUpdates(schedule.defer, capacity) if schedule.defer else None
@@ -239,9 +264,11 @@ class Scheduler:
         self.one_ahead = False  # draw at most one batch ahead until the next deliver() (set by switched())
         self.last_delivered = None  # what the last deliver() returned (a recycle of it needs no layout check)
         self.last_delivered_leaves = None  # its leaves, when the worker listed them (the recycle check reads them)
-        self._last_end: Optional[float] = None
+        self._last_end: Optional[float] = None  # when the last deliver() returned
         self._smoothed = {"exposed": 0.0, "learner": 0.0}  # exponential averages (s) the adaptive policy reads
-        self.worker = DeliveryWorker(lock, self.poll, "conduit-delivery") if schedule.depth else None
+        # (start, end) of each deliver() not yet in the timeline: the worker records them off the learner's thread
+        self._handed_over: collections.deque = collections.deque()
+        self.worker = DeliveryWorker(lock, self.poll, "conduit-delivery", self.wake_at) if schedule.depth else None
 
     # -- the plane's hooks ----------------------------------------------------------------------------------------
     def kick(self) -> None:
@@ -254,6 +281,7 @@ class Scheduler:
         """Wait until the worker has done what it can now: the host bookkeeping is what it would be without one."""
         if self.worker is not None:
             self.worker.settle()
+        self._record_handovers()
 
     def switched(self) -> None:
         """The policy version may have moved: batches drawn before are re-checked when delivered."""
@@ -275,6 +303,7 @@ class Scheduler:
             worker.close()
             with self.lock:
                 self.worker, self.recycle = None, None
+                self._record_handovers()
 
     # -- deferred priority updates ----------------------------------------------------------------------------------
     def report_update(self, ids, priorities) -> None:
@@ -302,8 +331,13 @@ class Scheduler:
             raise rejected
 
     # -- delivery ---------------------------------------------------------------------------------------------------
-    def deliver(self, timeline, timeout: Optional[float], recycle, check_recycle):
-        """``plane.deliver()``: hand over the oldest batch in flight (drawn here when there is none), computed."""
+    def deliver(self, timeout: Optional[float], recycle, check_recycle):
+        """``plane.deliver()``: hand over the oldest batch in flight (drawn here when there is none), computed.
+
+        When the worker keeps up, the batch is computed and of the current policy version, and this is one pass
+        under the lock: a pop, the step, and a kick that the napping worker needs no wake-up for. The timeline and
+        the adaptive policy's averages are brought up to date by the worker, off this thread: right after the
+        learner's step every call here runs with cold caches, at several times its usual cost."""
         start = time.perf_counter()
         worker = self.worker
         with self.lock:
@@ -311,55 +345,75 @@ class Scheduler:
                 worker.raise_error()
             if recycle is not None:
                 check_recycle(recycle, "deliver()")
-            if self._last_end is not None:
-                timeline.record("learner", self._last_end, start)
-                self._smooth("learner", start - self._last_end)
             if not self.in_flight:  # nothing prefetched: draw on this thread, as sync does (the worker cannot draw
                 # while this holds the lock, so what the plane admits now is the whole story)
                 self.in_flight.append(Prefetched(self._draw(timeout=timeout, recycle=recycle), self.epoch))
                 recycle = None
             batch = self.in_flight.popleft()
             self.one_ahead = False
+            # the step moves as the batch leaves the queue: a draw from here on counts it (the bound k)
+            self.step += 1
+            self.depth = self.schedule.next_depth(self.depth, self._smoothed["exposed"], self._smoothed["learner"])
             if worker is None:  # sync, or a closed worker: the refills are dispatched here
-                self._advance()
                 while len(self.in_flight) < self.depth and self._admits():
                     self.in_flight.append(Prefetched(self._draw(recycle=recycle), self.epoch))
                     recycle = None
             elif recycle is not None:
                 self.recycle = recycle
+            if batch.ready and batch.epoch == self.epoch:
+                return self._hand_over(batch.delivery, batch, start)
         if not batch.ready:
             jax.block_until_ready(batch.delivery)
         delivery = batch.delivery if batch.epoch == self.epoch else self._refresh(batch.delivery)
+        with self.lock:
+            return self._hand_over(delivery, batch, start)
+
+    def _hand_over(self, delivery, batch: Prefetched, start: float):
+        """The end of a deliver() (under the lock): note what it returns and when, and let the worker refill."""
         self.last_delivered = delivery
         self.last_delivered_leaves = batch.leaves if delivery is batch.delivery else None
-        if worker is None:
-            self._delivered(timeline, start)
+        self._handed_over.append((start, time.perf_counter()))
+        if self.worker is None:
+            self._record_handovers()
         else:
-            with self.lock:  # the step moves as the delivery completes: a draw sees both or neither (the bound k)
-                self._delivered(timeline, start)
-                self._advance()
-                # the refill waits a tenth of a learner step (at most REFILL_DELAY_MAX): woken at once, the worker's
-                # dispatch took the GIL from the learner's thread in the instant it waits for this batch and
-                # dispatches its step (the demo's exposed median: 402 -> 91 us, async dispatch on 2 cores)
-                worker.kick(delay=min(0.1 * self._smoothed["learner"], REFILL_DELAY_MAX))
+            # the refill waits a tenth of a learner step (at most REFILL_DELAY_MAX): woken at once, the worker's
+            # dispatch took the GIL from the learner's thread in the instant it waits for this batch and
+            # dispatches its step (the demo's exposed median: 402 -> 91 us, async dispatch on 2 cores)
+            self.worker.kick(delay=self._refill_delay())
         return delivery
 
-    def _delivered(self, timeline, start: float) -> None:
-        end = self._last_end = time.perf_counter()
-        timeline.record("exposed", start, end)
-        self._smooth("exposed", end - start)
+    def _refill_delay(self) -> float:
+        """How long after a deliver() the worker draws the refill."""
+        return min(0.1 * self._smoothed["learner"], REFILL_DELAY_MAX)
 
-    def _advance(self) -> None:
-        self.step += 1
-        self.depth = self.schedule.next_depth(self.depth, self._smoothed["exposed"], self._smoothed["learner"])
+    def _record_handovers(self) -> None:
+        """Put the deliver() calls made since the last call into the timeline ("learner": from the end of one to
+        the start of the next; "exposed": each call) and the adaptive policy's averages. Under the lock."""
+        while self._handed_over:
+            start, end = self._handed_over.popleft()
+            if self._last_end is not None:
+                self.timeline.record("learner", self._last_end, start)
+                self._smooth("learner", start - self._last_end)
+            self.timeline.record("exposed", start, end)
+            self._smooth("exposed", end - start)
+            self._last_end = end
 
     def _smooth(self, stage: str, seconds: float, weight: float = 0.1) -> None:
         self._smoothed[stage] += weight * (seconds - self._smoothed[stage])
+
+    def wake_at(self) -> Optional[float]:
+        """When the worker, idle now, will next have work: a refill delay after the next deliver(), forecast from
+        the smoothed learner step (None when there is no steady pace to forecast from, or work is waiting)."""
+        learner = self._smoothed["learner"]
+        if self._last_end is None or learner <= 0 or len(self.in_flight) < self.depth:
+            return None
+        return self._last_end + learner + self._refill_delay()
 
     def poll(self):
         """The worker's unit of work, under the lock: due deferred updates in, then one more batch dispatched while
         the schedule wants one and the plane admits it, then the oldest batch not known to be computed waited for.
         Returns what to wait for without the lock (``DeliveryWorker``), or None when there is nothing to do."""
+        self._record_handovers()
         if len(self.in_flight) < (1 if self.one_ahead else self.depth) and self._admits():
             # the due updates go in with this draw (not before: a kernel of their own would run on the learner's
             # next call that reads the state, its ingest)

@@ -84,9 +84,9 @@ class ExperienceDataPlane:
         self._update_rows = 0  # rows of the packed updates the kernels were last given (see _take_pending_updates)
         # the schedule's host side (batches in flight, deferred updates, the delivery worker); it reaches the plane
         # through weak references, so an unclosed plane is freed as usual and its worker stops
-        self._schedule = Scheduler(self.schedule, self._lock, self.capacity, draw=_weakly(self, "sample"),
-                                   admits=_weakly(self, "can_sample"), pend=self._pending_updates.append,
-                                   refresh=_weakly(self, "_refreshed"))
+        self._schedule = Scheduler(self.schedule, self._lock, self.capacity, self.timeline,
+                                   draw=_weakly(self, "sample"), admits=_weakly(self, "can_sample"),
+                                   pend=self._pending_updates.append, refresh=_weakly(self, "_refreshed"))
         weakref.finalize(self, self._schedule.close)
 
     # -- the state ------------------------------------------------------------------------------------------------
@@ -291,7 +291,7 @@ class ExperienceDataPlane:
         """
         runtime.refuse_under_trace("deliver()", "state, delivery = buffer.sample(state)")
         timeout = checked_timeout(timeout, "deliver()")
-        return self._schedule.deliver(self.timeline, timeout, recycle, self._check_recycle)
+        return self._schedule.deliver(timeout, recycle, self._check_recycle)
 
     def _refreshed(self, delivery: Delivery) -> Delivery:
         """``delivery`` (drawn before a policy-version switch) with its mask re-checked against the current version."""
@@ -489,6 +489,8 @@ def checked_timeout(timeout, where: str) -> Optional[float]:
     ConfigError naming it otherwise (a NaN deadline would never pass)."""
     if timeout is None:
         return None
+    if type(timeout) is float and 0.0 <= timeout < math.inf:  # the common case first: deliver()'s default 0.0
+        return timeout
     if not isinstance(timeout, (int, float, np.integer, np.floating)) or isinstance(timeout, bool) or \
             math.isnan(timeout) or timeout < 0:
         raise ConfigError(f"{where}: timeout must be a number of seconds >= 0 or None (wait for ever), got "

@@ -41,6 +41,7 @@ JAX work is replay-sized; a process that also runs large matrix products on the 
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import sys
 import warnings
@@ -157,14 +158,21 @@ def delivery_compiler_options(devices) -> dict:
     return dict(CPU_DELIVERY_COMPILER_OPTIONS) if {d.platform for d in devices} == {"cpu"} else {}
 
 
+@functools.cache
+def _trace_state_clean():
+    """JAX's check that no trace is under way (no public equivalent in JAX 0.10; 0.3 us a call), imported once: the
+    plane's per-call entry points run it, and an import statement there cost more than the check."""
+    from jax._src.core import trace_state_clean
+
+    return trace_state_clean
+
+
 def refuse_under_trace(where: str, instead: str) -> None:
     """ConfigError when called while JAX traces a function (``jax.jit``, ``lax.scan``, ``vmap``).
 
     The plane's methods run on the host and change the plane: under a trace they would leave a tracer in it (the
     next ``len(plane)`` raises ``UnexpectedTracerError``). Code inside a trace uses the functional API instead."""
-    from jax._src.core import trace_state_clean  # no public equivalent in JAX 0.10; 0.3 us a call
-
-    if not trace_state_clean():
+    if not _trace_state_clean()():
         raise ConfigError(f"{where}: called under a JAX trace (jax.jit, lax.scan, vmap); the plane's methods run on "
                           f"the host and cannot be traced. Inside jitted code use the functional API: buffer = "
                           f"plane.buffer() (or conduit_jax.make_buffer(...)), state = plane.state, then {instead}; "

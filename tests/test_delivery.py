@@ -7,6 +7,7 @@ import gc
 import subprocess
 import sys
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -114,3 +115,45 @@ def test_the_interpreter_exits_with_a_busy_unclosed_plane():
             "print('done')\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0 and result.stdout.strip() == "done", result.stderr[-2000:]
+
+
+def _napping_worker(nap_s: float):
+    """A DeliveryWorker over a poll that only counts, napping on a forecast ``nap_s`` from now, and a count of the
+    wake-ups (notifications) sent to it."""
+    from conduit_jax.delivery import DeliveryWorker
+
+    polls, notified = [], []
+    wake_at = time.perf_counter() + nap_s
+    worker = DeliveryWorker(threading.RLock(), lambda: polls.append(time.perf_counter()), "test-worker",
+                            wake_at=lambda: wake_at if not polls else None)
+    notify_all = worker._lock.notify_all
+    worker._lock.notify_all = lambda: notified.append(1) or notify_all()
+    deadline = time.monotonic() + 10
+    while worker._napping_until is None and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert worker._napping_until == wake_at
+    return worker, wake_at, polls, notified
+
+
+def test_a_kick_due_when_the_napping_worker_wakes_anyway_sends_no_wake_up():
+    """deliver()'s delayed kick that falls due about when the worker's forecast nap ends leaves it asleep (a wake-up
+    took the GIL from the learner's thread); the nap's end is the wake-up, and the poll comes no earlier than due."""
+    worker, wake_at, polls, notified = _napping_worker(0.3)
+    with worker._lock:
+        worker.kick(delay=wake_at - time.perf_counter())
+        assert notified == [] and polls == []
+        worker.settle()  # wants the work now: wakes it, then waits for the poll
+        assert len(polls) == 1 and polls[0] >= wake_at - 1e-3
+    worker.close()
+    assert not worker.alive
+
+
+def test_a_kick_due_before_the_nap_ends_wakes_the_worker():
+    worker, wake_at, polls, notified = _napping_worker(30.0)
+    with worker._lock:
+        worker.kick()
+        assert len(notified) == 1
+        worker.settle()
+        assert len(polls) == 1 and polls[0] < wake_at
+    worker.close()
+    assert not worker.alive
