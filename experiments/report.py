@@ -21,6 +21,7 @@ import json
 import math
 import shlex
 import statistics
+import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -162,6 +163,9 @@ class Source:
         env = environment_of(self.data)
         if env.get("date"):
             return str(env["date"])
+        committed = committed_date(self.path)
+        if committed is not None:
+            return committed + " (committed)"
         return datetime.datetime.fromtimestamp(self.path.stat().st_mtime, datetime.UTC).isoformat(
             timespec="seconds") + " (file time)"
 
@@ -187,6 +191,25 @@ def default_command(stem: str, quick: bool = False) -> str:
               "scaling": "scaling"}.get(stem, stem)
     script = {"placement": "placement_sweep"}.get(module, module)
     return f"`conduit experiment {module}{q}` (= `python -m experiments.{script}{q}`)"
+
+
+def committed_date(path: Path) -> str | None:
+    """When ``path`` was last committed (ISO 8601, UTC), if it is unchanged since: a result file without a date of
+    its own. A checkout sets every file's time to the checkout's, so the file time would date every such result to
+    the day it was cloned. None outside a git checkout, for a file changed since its commit, or one never committed."""
+    def git(*args: str) -> str:
+        done = subprocess.run(["git", *args], cwd=path.parent, capture_output=True, text=True, timeout=10)
+        return done.stdout.strip() if done.returncode == 0 else ""
+
+    try:
+        if git("status", "--porcelain", "--", path.name):
+            return None
+        stamp = git("log", "-1", "--format=%ct", "--", path.name)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if not stamp:
+        return None
+    return datetime.datetime.fromtimestamp(int(stamp), datetime.UTC).isoformat(timespec="seconds")
 
 
 def environment_of(data: Any) -> dict:

@@ -192,3 +192,25 @@ def test_main_writes_the_file(tmp_path, capsys):
     out = tmp_path / "sub" / "REPORT.md"
     assert report.main(["--results", str(tmp_path), "--bench-results", str(tmp_path), "--out", str(out)]) == 0
     assert out.read_text().startswith("# Conduit-JAX: results beside the paper")
+
+
+def test_a_result_without_a_date_is_dated_by_its_commit_not_by_the_checkout(tmp_path):
+    """A clone sets every file's time to the clone's: a result file that records no date of its own is dated by its
+    last commit while unchanged since, and by its file time once changed."""
+    import os
+    import subprocess
+
+    def git(*args):
+        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path, check=True,
+                       capture_output=True, env={**os.environ, "GIT_COMMITTER_DATE": "2026-01-02T03:04:05+00:00",
+                                                 "GIT_AUTHOR_DATE": "2026-01-02T03:04:05+00:00"})
+
+    result = tmp_path / "result.json"
+    result.write_text("{}")
+    assert report.committed_date(result) is None  # not in a checkout
+    git("init", "-q")
+    git("add", "result.json")
+    git("commit", "-q", "-m", "a result")
+    assert report.committed_date(result) == "2026-01-02T03:04:05+00:00"
+    result.write_text('{"changed": true}')
+    assert report.committed_date(result) is None
