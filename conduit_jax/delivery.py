@@ -277,6 +277,19 @@ class Scheduler:
         if self.worker is not None and len(self.in_flight) < self.depth:
             self.worker.kick()
 
+    def ingested(self) -> None:
+        """An ingest made items deliverable. Right after a policy-version switch with nothing in flight (an
+        on-policy rollout: the learner asks for the epoch's first minibatch next, with nothing of its own to do
+        meanwhile) that minibatch is drawn here, on the ingesting thread, and the worker draws the rest after the
+        first deliver(). A worker woken for it raced that deliver() for the lock and the GIL: the first deliver()
+        after a rollout exposed 2-3x sync's time. Otherwise the worker looks for work (``kick``)."""
+        if self.worker is None:
+            return
+        if not self.one_ahead:
+            self.kick()
+        elif not self.in_flight and self._admits():
+            self.in_flight.append(Prefetched(self._draw(), self.epoch))
+
     def settle(self) -> None:
         """Wait until the worker has done what it can now: the host bookkeeping is what it would be without one."""
         if self.worker is not None:
@@ -286,11 +299,12 @@ class Scheduler:
     def switched(self) -> None:
         """The policy version may have moved: batches drawn before are re-checked when delivered."""
         self.epoch += 1
-        # until the next deliver() the worker draws one batch, not depth: after an on-policy rollout the learner asks
-        # for the first minibatch at once, and a second dispatch then only holds the GIL and the lock it waits for
-        # (PPO-like probe, A/B in one process: first deliver 453 -> 300 us median, sync 222; later ones unchanged)
+        # until the next deliver() at most one batch is drawn ahead, not depth: after an on-policy rollout the learner
+        # asks for the first minibatch at once, and a second dispatch then only holds the GIL and the lock it waits
+        # for (PPO-like probe, A/B in one process: first deliver 453 -> 300 us median, sync 222; later ones
+        # unchanged). That one batch is not the worker's either: the rollout's ingest draws it (``ingested``), or
+        # the next deliver() does; a worker woken here raced both for the lock and the GIL
         self.one_ahead = True
-        self.kick()
 
     def holds(self, delivery) -> bool:
         """Whether ``delivery`` is still the plane's (queued, or handed over for recycling): not recyclable."""

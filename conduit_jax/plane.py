@@ -176,7 +176,7 @@ class ExperienceDataPlane:
             with self.timeline.span("ingest"):
                 self.engine.ingest(batch, n)
             self._changed.notify_all()
-            self._schedule.kick()  # the worker stages a rollout's first minibatches as it is ingested
+            self._schedule.ingested()  # a rollout's first minibatches are staged as it is ingested
 
     def can_ingest(self, n: int = 1) -> bool:
         """Whether ``n`` items would be admitted now (rate limiter and queue capacity)."""

@@ -24,8 +24,9 @@ batch); on a policy-version switch the in-flight batches are re-checked against 
 batch never holds items older than the staleness bound allows. The worker draws under the plane's lock, and every
 call that reads the plane's host bookkeeping (``stats``, ``in_flight``, ``save``, ``set_policy_version``) first lets
 it finish what it can do now, so these read what they would without a thread. On-policy data (``samplers.epochs``):
-an ``ingest`` wakes the worker, which stages the first ``depth`` minibatches of the new epoch while the learner's
-thread moves on to its first ``deliver()``.
+the ``ingest`` of a rollout right after ``set_policy_version`` draws the new epoch's first minibatch itself (the
+learner asks for it next, and a worker woken for it only raced that ``deliver()``), and the worker draws the rest
+after it; an ``ingest`` without a switch wakes the worker, which stages the first ``depth`` minibatches.
 
 Reproducibility: under ``sync`` a run is a pure function of its seed and its call sequence. The prefetching policies
 draw when the worker's thread gets to it, so whether a prefetched batch includes the latest ingest or priority update

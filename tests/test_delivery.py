@@ -60,6 +60,26 @@ def test_the_first_minibatches_of_a_rollout_are_staged_as_it_is_ingested():
     plane.close()
 
 
+def test_after_a_policy_switch_the_rollouts_ingest_draws_the_first_minibatch_itself():
+    """PPO's loop (set_policy_version, ingest the rollout, deliver at once): the ingest draws the epoch's first
+    minibatch on its own thread, as the learner would next, and nothing else is drawn before that deliver(); every
+    item of the new rollout still comes once per epoch."""
+    rollout, batch, epochs = 32, 8, 2
+    plane = ExperienceDataPlane(SPEC, rollout, samplers.epochs(batch), schedule=schedule_lib.overlap(2),
+                                limiter=limits.sample_to_insert_ratio(epochs, 1, (epochs + batch) / 2),
+                                mesh=default_mesh(1))
+    for version in range(2):
+        drawn = len(_sample_threads(plane))
+        plane.set_policy_version(version)
+        plane.ingest({"x": np.arange(rollout, dtype=np.int32) + 100 * version})
+        assert len(plane.in_flight()) == 1 and _sample_threads(plane)[drawn:] == [threading.get_ident()]
+        # (the refills are the worker's, unless this loop, with no learner step, asks before the worker drew)
+        seen = [np.asarray(plane.deliver().data["x"]) for _ in range(epochs * rollout // batch)]
+        counts = np.bincount(np.concatenate(seen) - 100 * version, minlength=rollout)
+        assert counts.shape == (rollout,) and (counts == epochs).all()
+    plane.close()
+
+
 def test_a_rejected_deferred_update_surfaces_in_the_next_deliver():
     """The worker applies due deferred updates before its draws; a bad one (NaN) is raised by the learner's next
     deliver(), naming the step it was reported at, and the valid ones of the same batch still apply."""
