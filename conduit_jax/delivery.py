@@ -8,16 +8,16 @@ function the worker runs *without* the lock; what that returns runs under the lo
 ready). So ``deliver()`` on the learner's thread only hands over a batch that is already finished, and the learner's
 own calls (``ingest``, ``update_priorities``) never wait for a kernel the worker waits for.
 
-The plane wakes the worker (``kick``) after every call that can make work possible (a delivery, an ingest, a
-policy-version switch, a new state); after a delivery it wakes it a tenth of a learner step later (at most
-``REFILL_DELAY_MAX``), so the refill's Python does not take the GIL from the learner's thread while that thread waits
-for its batch and dispatches its step. A learner that calls ``deliver()`` at a steady pace is not woken at all: the
-idle worker naps until the refill it forecasts (``Scheduler.wake_at``), and a kick that falls due by then leaves it
-asleep, since waking another thread cost the learner's thread tens of microseconds on a 2-core host. The worker also
-records each delivery in the plane's timeline, off the learner's thread. ``settle`` waits until the worker has done
-everything it can do now, which gives calls that read the plane's host bookkeeping (``stats``, ``save``, ``held``)
-the state they would see without a thread. An exception raised on the worker is kept and raised by the learner's next ``deliver()``
-(``raise_error``); the worker carries on with the next kick.
+The plane wakes the worker (``kick``) after a delivery and after an ingest (right after a policy-version switch the
+rollout's ingest draws the first batch itself: ``Scheduler.ingested``). After a delivery the refill waits a tenth of
+a learner step (at most ``REFILL_DELAY_MAX``), so its Python does not take the GIL from the learner's thread while
+that thread waits for its batch and dispatches its step; and a learner that calls ``deliver()`` at a steady pace
+wakes nobody: the idle worker naps until the refill it forecasts (``Scheduler.wake_at``), and a kick that falls due
+by then leaves it asleep, since waking another thread cost the learner's thread tens of microseconds on a 2-core
+host. The worker also records each delivery in the plane's timeline, off the learner's thread. ``settle`` waits until
+the worker has done everything it can do now, which gives calls that read the plane's host bookkeeping (``stats``,
+``save``, ``held``) the state they would see without a thread. An exception raised on the worker is kept and raised
+by the learner's next ``deliver()`` (``raise_error``); the worker carries on with the next kick.
 
 Lifetime: the thread holds no reference to the plane (``poll`` reaches it through a weak reference), so an unclosed
 plane is collected as usual and its worker stops (``weakref.finalize`` in the plane); ``close`` stops it at once, and
@@ -272,8 +272,8 @@ class Scheduler:
 
     # -- the plane's hooks ----------------------------------------------------------------------------------------
     def kick(self) -> None:
-        """Something changed (an ingest, a version switch, a new state): the worker looks for work, if it may find
-        some (a batch to draw: with all ``depth`` in flight there is none, and waking it would only take the GIL)."""
+        """Something changed (an ingest): the worker looks for work, if it may find some (a batch to draw: with all
+        ``depth`` in flight there is none, and waking it would only take the GIL)."""
         if self.worker is not None and len(self.in_flight) < self.depth:
             self.worker.kick()
 
@@ -350,8 +350,9 @@ class Scheduler:
 
         When the worker keeps up, the batch is computed and of the current policy version, and this is one pass
         under the lock: a pop, the step, and a kick that the napping worker needs no wake-up for. The timeline and
-        the adaptive policy's averages are brought up to date by the worker, off this thread: right after the
-        learner's step every call here runs with cold caches, at several times its usual cost."""
+        the adaptive policy's averages are brought up to date by the worker, off this thread: between the learner's
+        steps every call here runs with cold caches (the step and the loop's own work evict them), at several times
+        its usual cost."""
         start = time.perf_counter()
         worker = self.worker
         with self.lock:
