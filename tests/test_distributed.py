@@ -179,8 +179,9 @@ def local_counts(sampler, items, batches, seed=1, priorities=None):
     return counts
 
 
-# the default suite runs 1 and 4 actors, which bracket 2 (14 s, under -m slow)
-@pytest.mark.parametrize("actors", [1, pytest.param(2, marks=pytest.mark.slow), 4])
+# the default suite runs 1 actor (several actors: test_prioritized_matches_one_local_plane on 3, the same routing of
+# draws and ids); 2 and 4 actors (14 s and 24 s on 2 cores) run under -m slow
+@pytest.mark.parametrize("actors", [1] + [pytest.param(n, marks=pytest.mark.slow) for n in (2, 4)])
 def test_uniform_matches_one_local_plane(ray_cluster, tmp_path, actors):
     items, batches = 60, 150
     with make(ray_cluster, tmp_path, samplers.uniform(32), actors, seed=100 + actors) as plane:
