@@ -158,7 +158,7 @@ def _napping_worker(nap_s: float):
 def test_a_kick_due_when_the_napping_worker_wakes_anyway_sends_no_wake_up():
     """deliver()'s delayed kick that falls due about when the worker's forecast nap ends leaves it asleep (a wake-up
     took the GIL from the learner's thread); the nap's end is the wake-up, and the poll comes no earlier than due."""
-    worker, wake_at, polls, notified = _napping_worker(0.3)
+    worker, wake_at, polls, notified = _napping_worker(1.0)  # time enough to start napping
     with worker._lock:
         worker.kick(delay=wake_at - time.perf_counter())
         assert notified == [] and polls == []
