@@ -271,22 +271,18 @@ class Scheduler:
         self.worker = DeliveryWorker(lock, self.poll, "conduit-delivery", self.wake_at) if schedule.depth else None
 
     # -- the plane's hooks ----------------------------------------------------------------------------------------
-    def kick(self) -> None:
-        """Something changed (an ingest): the worker looks for work, if it may find some (a batch to draw: with all
-        ``depth`` in flight there is none, and waking it would only take the GIL)."""
-        if self.worker is not None and len(self.in_flight) < self.depth:
-            self.worker.kick()
-
     def ingested(self) -> None:
         """An ingest made items deliverable. Right after a policy-version switch with nothing in flight (an
         on-policy rollout: the learner asks for the epoch's first minibatch next, with nothing of its own to do
         meanwhile) that minibatch is drawn here, on the ingesting thread, and the worker draws the rest after the
         first deliver(). A worker woken for it raced that deliver() for the lock and the GIL: the first deliver()
-        after a rollout exposed 2-3x sync's time. Otherwise the worker looks for work (``kick``)."""
+        after a rollout exposed 2-3x sync's time. Otherwise the worker looks for work, if it may find some (a batch
+        to draw: with all ``depth`` in flight there is none, and waking it would only take the GIL)."""
         if self.worker is None:
             return
         if not self.one_ahead:
-            self.kick()
+            if len(self.in_flight) < self.depth:
+                self.worker.kick()
         elif not self.in_flight and self._admits():
             self.in_flight.append(Prefetched(self._draw(), self.epoch))
 
