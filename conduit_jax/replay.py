@@ -272,7 +272,7 @@ def sample(config: ReplayConfig, state: ReplayState, batches: Optional[int] = No
     column = 2
     if config.sampler.weigh is not None:
         probability = lax.bitcast_convert_type(extra[..., column], jnp.float32)
-        weights = config.sampler.weigh(sampler_state, probability, size(config, state))
+        weights = config.sampler.weigh(sampler_state, probability, size(config, state), config.shard_capacity)
         column += 1
     if config.sampler.mask is not None:  # per window: the leading axes flattened into one batch axis
         flat = jax.tree_util.tree_map(lambda x: x.reshape(-1, *x.shape[len(lead) + 1:]), data)

@@ -93,7 +93,8 @@ class Sampler(NamedTuple):
     on_insert(state, InsertView) -> state                          (per shard)
     sample(state, ShardView) -> (state, Selection)                 (per shard)
     update(state, ShardView, ids, priorities, valid) -> state      (per shard; None for samplers without priorities)
-    weigh(state, probability, size) -> importance weights          (global; None when selections carry no weights)
+    weigh(state, probability, size, shard_capacity) -> importance weights (global; None when selections carry no
+        weights; ``shard_capacity``, static, is each shard's ring: slots of a per-shard index past it hold no item)
     deliverable(state, size) -> int32[]: what sample() can draw from now, compared with min_items (global; None
         when it is simply the stored item count, which never decreases: the shell then counts it on the host)
     consumes: delivery removes items (queues): ingest refuses to overwrite undelivered ones
@@ -114,7 +115,7 @@ class Sampler(NamedTuple):
     deliverable: Optional[Callable[[Any, jax.Array], jax.Array]] = None
     consumes: bool = False
     sampling_retires: bool = False
-    weigh: Optional[Callable[[Any, jax.Array, jax.Array], jax.Array]] = None
+    weigh: Optional[Callable[[Any, jax.Array, jax.Array, int], jax.Array]] = None
     retire: Optional[Callable[[Any, jax.Array], Any]] = None  # (state, stale bool[shard capacity]) -> state, per shard
     params: tuple = ()  # ((argument, value), ...) of the constructor call: rebuilds the sampler from a checkpoint
     window: int = 1  # steps per delivered sequence
@@ -416,7 +417,7 @@ def _priority_sampler(name: str, batch_size: int, alpha: float, beta, eps: float
             new_state = replace(new_state, levels=levels, times_sampled=counts)
         return new_state, Selection(slot, owner, probability, keep)
 
-    def weigh(state: PriorityState, probability, size):
+    def weigh(state: PriorityState, probability, size, shard_capacity: int):
         """Importance weights (N * P(i))^-beta, normalised by the batch maximum (so every weight is in (0, 1])."""
         step = state.counter - 1  # sample() has already advanced the counter
         w = jnp.power(size.astype(jnp.float32) * probability, -beta_at(step))
@@ -518,9 +519,12 @@ def prioritized(batch_size: int, alpha: float = 0.6, beta=0.4, eps: float = 1e-6
         return base._replace(params=params)
     beta_at = _as_schedule(beta, "beta", "samplers.prioritized()")
 
-    def weigh(state: PriorityState, probability, size):
-        """(P(i) / P_min)^-beta: the N of (N * P)^-beta cancels, and P(i) / P_min = mass_i / smallest mass."""
-        leaves = state.levels[-1]
+    def weigh(state: PriorityState, probability, size, shard_capacity: int):
+        """(P(i) / P_min)^-beta: the N of (N * P)^-beta cancels, and P(i) / P_min = mass_i / smallest mass. The
+        smallest mass is read from each shard's ring slots only: the leaf level is padded to a power of the tree's
+        arity (a 100,000-slot ring has 1,048,576 leaves), and scanning the padding took half of an RLlib PER draw."""
+        shards = state.levels[0].shape[0]
+        leaves = state.levels[-1].reshape(shards, -1)[:, :shard_capacity]
         smallest = jnp.min(jnp.where(leaves > 0, leaves, jnp.inf))
         total = jnp.sum(state.levels[0])
         ratio = jnp.maximum(probability * total / smallest, 1.0)  # >= 1 up to rounding: every weight is in (0, 1]
