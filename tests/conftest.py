@@ -7,6 +7,18 @@ import tempfile
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# The suite is compile-bound: many tests build planes whose kernels are the same XLA programs, in this process, in
+# pytest-xdist's other worker and in the processes tests start (Ray actors, a second JAX process). JAX's persistent
+# compilation cache, in one directory for the whole run, compiles each of them once: the process that starts the run
+# makes it (and removes it at exit), and every process started after inherits these variables, which JAX reads when
+# it is imported. The size limit turns on JAX's file lock around each read and write, as processes share the
+# directory. Every kernel is still compiled from scratch in the first test that needs it.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="conduit-test-jax-cache-")
+    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(16 << 30))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
@@ -14,14 +26,6 @@ import pytest  # noqa: E402
 from conduit_jax.replay import default_mesh  # noqa: E402
 
 assert jax.device_count() == 8, "tests need 8 emulated CPU devices; XLA_FLAGS was set too late"
-# The suite is compile-bound: many tests build planes whose kernels are the same XLA programs. JAX's persistent
-# compilation cache, in a directory of this run only, compiles each of them once (test_plane + test_samplers +
-# test_prioritized: 73 -> 60 s here). Every kernel is still compiled from scratch in the first test that needs it.
-_compile_cache = tempfile.mkdtemp(prefix="conduit-test-jax-cache-")
-atexit.register(shutil.rmtree, _compile_cache, ignore_errors=True)
-jax.config.update("jax_compilation_cache_dir", _compile_cache)
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 def _mesh_2x4():

@@ -31,8 +31,10 @@ print(json.dumps({"applied": applied, "before": before, "async": jax.config.read
 
 
 def _child(arg: str, code: str = CHILD) -> dict:
-    """Run ``code`` with ``arg`` in a fresh one-device CPU process; its last stdout line, as JSON."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    """Run ``code`` with ``arg`` in a fresh one-device CPU process; its last stdout line, as JSON. The process
+    compiles for itself: the suite's compilation cache (conftest.py) is keyed without the CPU client's thread pool,
+    so a program another process compiled on a 1-thread pool would come back unsplit to a process on XLA's own pool."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS" and k != "JAX_COMPILATION_CACHE_DIR"}
     env["JAX_PLATFORMS"] = "cpu"
     done = subprocess.run([sys.executable, "-c", code, arg], capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode == 0, done.stderr
