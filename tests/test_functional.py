@@ -130,16 +130,42 @@ def test_a_rate_limiter_refusal_is_flagged_invalid():
     assert bool(sample(ingest(state, items(19, 1)))[1].valid)
 
 
-def test_a_queue_delivers_each_item_once_then_flags_invalid():
-    buffer = cj.make_buffer(SPEC, 32, samplers.fifo(8), mesh=cj.default_mesh(8))
-    state = jax.jit(buffer.ingest)(buffer.init(), items(0, 20))
-    sample = jax.jit(buffer.sample)
-    delivered = []
-    for _ in range(3):
+def test_a_queue_delivers_each_item_once_then_flags_invalid(mesh):
+    """20 items (on 8 shards, 2.5 rows): the 16 oldest in two batches, in order; then draws flagged invalid (ids -1),
+    three in a row, that leave the state bit-identical; then the 4 left with 12 more, each once, in order, and an
+    invalid draw again."""
+    buffer = cj.make_buffer(SPEC, 32, samplers.fifo(8), mesh=mesh)
+    shards = buffer.config.num_shards
+    ingest, sample = jax.jit(buffer.ingest), jax.jit(buffer.sample)
+    state = ingest(buffer.init(), items(0, 20))
+
+    def owed(first):  # the next batch: items first..first+7, each shard's block in insertion order (shard-major)
+        return np.arange(first, first + 8).reshape(8 // shards, shards).T.reshape(-1)
+
+    def check_valid(delivery, first):
+        assert bool(delivery.valid)
+        np.testing.assert_array_equal(np.asarray(delivery.data["g"]), owed(first))
+        np.testing.assert_array_equal(np.asarray(delivery.data["obs"]), np.asarray(items(0, 32)["obs"])[owed(first)])
+        np.testing.assert_array_equal(np.asarray(delivery.ids),
+                                      expected_ids(owed(first), shards, buffer.config.shard_capacity))
+
+    def check_invalid(state):
+        before = host_leaves(state)
+        for _ in range(3):
+            state, delivery = sample(state)
+            assert not bool(delivery.valid) and (np.asarray(delivery.ids) == -1).all()
+            assert all(a.tobytes() == b.tobytes() for a, b in zip(before, host_leaves(state)))
+        return state
+
+    for first in (0, 8):
         state, delivery = sample(state)
-        if bool(delivery.valid):
-            delivered += np.asarray(delivery.data["g"]).tolist()
-    assert sorted(delivered) == list(range(16))  # the 4 left are fewer than a batch
+        check_valid(delivery, first)
+    state = check_invalid(state)  # 4 undelivered items: fewer than a batch
+    state = ingest(state, items(20, 12))
+    for first in (16, 24):
+        state, delivery = sample(state)
+        check_valid(delivery, first)
+    check_invalid(state)
 
 
 def test_updates_inside_jit_skip_what_the_plane_would_refuse_and_apply_the_rest():
