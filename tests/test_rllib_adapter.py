@@ -290,11 +290,23 @@ def _unique_episodes(first, count, length=10):
 
 
 @pytest.mark.parametrize("schedule", ["overlap", "deferred", "adaptive"])
-def test_scheduled_buffers_hand_over_batches_drawn_ahead_without_evicted_steps(schedule):
+def test_scheduled_buffers_hand_over_batches_drawn_ahead_without_evicted_steps(schedule, monkeypatch):
     """A batch drawn ahead is handed over only to the same request, never holds a step evicted since it was drawn,
     and counts as sampled once, when it is handed over. Under overlap it is drawn after the priority update, so it
-    follows it at once; under deferred one batch later (the staleness bound k = 1); adaptive does one or the other,
-    and stats() says which."""
+    follows it at once; under deferred one batch later (the staleness bound k = 1). Adaptive follows its rule
+    (``adaptive_choice``) on how long ``sample()`` waited for the batch drawn ahead, which depends on thread timing;
+    here the rule is told the wait: 0 (it must stay on overlap), then 1 s, more than a tenth of any learner update of
+    this test (it must go deferred). In the first 60 calls every batch drawn ahead is dropped by the add() that
+    evicts an episode: the draws are stratified (one in each 16th of the priority mass), so each 10-step episode
+    holds one of them."""
+    told_wait, choices = [0.0], []
+    rule = conduit_rllib.buffers.adaptive_choice
+
+    def choose(current, waited, learner_s, deferred_batches):
+        choices.append(rule(current, told_wait[0], learner_s, deferred_batches))
+        return choices[-1]
+
+    monkeypatch.setattr(conduit_rllib.buffers, "adaptive_choice", choose)
     buffer = conduit_rllib.ConduitPrioritizedEpisodeReplayBuffer(capacity=100, alpha=1.0, schedule=schedule,
                                                                deliver="torch", seed=3)
     buffer.add(_unique_episodes(0, 10))
@@ -308,20 +320,29 @@ def test_scheduled_buffers_hand_over_batches_drawn_ahead_without_evicted_steps(s
         buffer.add(_unique_episodes(episode, 1))  # evicts the oldest episode (100 steps stored)
         episode += 1
     assert buffer.get_num_episodes_evicted() == 60
+    stats = buffer.stats()
+    like_overlap = schedule in ("overlap", "adaptive")
+    assert (stats["drawn_ahead_after_update"], stats["drawn_ahead_after_sample"]) == ((60, 0) if like_overlap
+                                                                                      else (0, 60)), stats
+    for _ in range(2):  # rounds without add(): the second sample() hands over the batch drawn ahead
+        buffer.sample(num_items=16, n_step=1)
+        buffer.update_priorities(np.ones(16))
+    told_wait[0] = 1.0
     # one step at priority 1000, the rest at 1: the next batch (overlap) or the one after (deferred) is mostly it
     target = float(_torch_columns(buffer.sample(num_items=16, n_step=1))["obs"][0])
     batch = _torch_columns(buffer.sample(num_items=100, n_step=1))  # another size: drawn now
     drawn_after_updates = buffer.stats()["drawn_ahead_after_update"]
     buffer.update_priorities(np.where(batch["obs"] == target, 1000.0, 1.0))
     after_this_update = buffer.stats()["drawn_ahead_after_update"] > drawn_after_updates
-    assert after_this_update == (schedule == "overlap") or schedule == "adaptive"
+    assert after_this_update == (schedule == "overlap")
     shares = [np.mean(_torch_columns(buffer.sample(num_items=100, n_step=1))["obs"] == target) for _ in range(2)]
     if after_this_update:
         assert shares[0] > 0.5 and shares[1] > 0.5
     else:
         assert shares[0] < 0.5 < shares[1]
+    # adaptive: told 0 at the first batch handed over, then 1 s at the target's, the 100-step batch's and the shares'
+    assert choices == (["overlap", "deferred", "deferred", "deferred", "deferred"] if schedule == "adaptive" else [])
     stats = buffer.stats()
-    assert stats["drawn_ahead_after_update"] + stats["drawn_ahead_after_sample"] >= 60
     assert 0 <= stats["drawn_ahead_waited"] <= stats["drawn_ahead_after_update"] + stats["drawn_ahead_after_sample"]
     with pytest.raises(ValueError, match="schedule must be one of"):
         conduit_rllib.ConduitEpisodeReplayBuffer(schedule="eager")
