@@ -1,8 +1,8 @@
 """The benchmark peers measure the workload they claim to (the ones whose semantics are not the library's default).
 
 TorchRL's slice sampler over a never-set end key (W5's ``torchrl-slices``): windows of consecutive steps of one
-stream, never across the write cursor's seam, starting anywhere in the stored steps. Skipped where TorchRL is not
-installed (the ``bench`` extra).
+stream, never across the write cursor's seam, starting anywhere in the stored steps. TorchRL comes with the ``test``
+extra (and the ``bench`` one), so CI runs this; it is skipped only where TorchRL is not installed.
 """
 
 import numpy as np
