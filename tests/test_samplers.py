@@ -175,12 +175,12 @@ def test_epochs_every_item_once_per_epoch(mesh, front):
     assert sorted(nxt.tolist()) == list(range(48)) and not np.array_equal(nxt, epoch)
 
 
-def test_epochs_of_a_size_not_a_multiple_of_the_batch_leave_the_remainder_out(mesh, front):
+def test_epochs_of_a_size_not_a_multiple_of_the_batch_leave_the_remainder_out(mesh):
     """20 items, batches of 8 (and 20 is not a multiple of 8 shards either): an epoch is 20 // 8 = 2 minibatches of
     16 distinct items; the 4 left out are left out of that epoch only (rounding the epoch's minibatch count up
     instead would deliver a third batch that repeats 4 of them). Over 8 epochs every item is delivered: an item is
     left out of all 8 with probability 20 * 0.2 ** 8 = 5e-5 for a correct sampler (seeded: deterministic)."""
-    plane = front(SPEC, 64, samplers.epochs(8), mesh=mesh, seed=5)
+    plane = ExperienceDataPlane(SPEC, 64, samplers.epochs(8), mesh=mesh, seed=5)
     plane.ingest(items(0, 20))
     epochs = [np.concatenate([check_delivery(plane, plane.sample()) for _ in range(2)]) for _ in range(8)]
     for i, epoch in enumerate(epochs):
