@@ -285,14 +285,14 @@ def random_queue_ops(seed: int, steps: int = 40):
     return [None if rng.random() < 0.3 else int(rng.choice([3, 5, 13])) for _ in range(steps)]
 
 
-@pytest.mark.parametrize("capacity, batch", [(16, 8), (24, 16)])
-def test_inside_a_trace_a_queue_skips_what_an_overfilling_ingest_overwrote(mesh, capacity, batch):
+def test_inside_a_trace_a_queue_skips_what_an_overfilling_ingest_overwrote(mesh):
     """Nothing can be refused inside jit: an ingest past the capacity overwrites undelivered items, and the queue
     skips them and goes on. Overfilled by amounts that are not multiples of the shard count (where rounding the
     skipped rows down instead of up delivers items twice: 19 items into 16 slots on 8 shards, then 5 more, gave
     16-18 twice), every draw is exactly the batch the model above owes: each item delivered at most once, in
     insertion order, with its own data and the live id of its row; the items lost are the oldest, fewer than S more
-    than were overwritten. A batch of 16 of a 24-slot queue on 8 shards reads 2 of the 3 rows: its rows wrap."""
+    than were overwritten."""
+    capacity, batch = 16, 8
     queue = cj.make_buffer(SPEC, capacity, samplers.fifo(batch), mesh=mesh)
     shards, shard_capacity = queue.config.num_shards, queue.config.shard_capacity
     ingest, sample = jax.jit(queue.ingest, donate_argnums=0), jax.jit(queue.sample, donate_argnums=0)
