@@ -128,11 +128,11 @@ class ExperienceSpec:
         ``cast=True`` 64-bit leaves whose narrow type matches the spec are accepted (the plane casts them).
         """
         try:
-            flat, treedef = jax.tree_util.tree_flatten_with_path(batch)
+            leaves, treedef = jax.tree_util.tree_flatten(batch)  # paths only for a message: they cost on every call
         except Exception as exc:  # pragma: no cover - tree_flatten accepts nearly anything
             raise SpecError(f"{where}: the batch is not a pytree ({exc})") from None
         if treedef != self.treedef:
-            got = {leaf_name(p) for p, _ in flat}
+            got = {leaf_name(p) for p, _ in jax.tree_util.tree_flatten_with_path(batch)[0]}
             want = set(self.names)
             parts = []
             if want - got:
@@ -143,7 +143,7 @@ class ExperienceSpec:
                 parts.append(f"structure {treedef} but the spec says {self.treedef}")
             raise SpecError(f"{where}: batch has " + " and ".join(parts) + f"; the spec is {self}")
         problems, counts = [], []
-        for (_, leaf), name, shape, dtype in zip(flat, self.names, self.shapes, self.dtypes):
+        for leaf, name, shape, dtype in zip(leaves, self.names, self.shapes, self.dtypes):
             if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype") or isinstance(leaf, jax.ShapeDtypeStruct):
                 problems.append(f"leaf '{name}' is a {type(leaf).__name__}, expected an array with a leading item axis")
                 continue

@@ -164,6 +164,8 @@ class RowLayout(NamedTuple):
         512 KiB (1 MiB blocks: 377-400, 256 KiB: 472-605), 100 Atari frames 396-531 against 349-439 us; a batch of one
         block (W1's 1,000 rows) is unchanged."""
         out = aligned_empty((rows, self.row_words)) if out is None else out
+        if count * self.row_bytes <= SMALL_PACK_BYTES:
+            return self._pack_small(leaves, start, count, out)
         out_bytes = out.view(np.uint8)
         copies = []  # (destination, source) of each leaf's items; (destination, None): bytes to zero
         for leaf, slot, dtype in zip(leaves, self.slots, self.spec.dtypes):
@@ -187,6 +189,27 @@ class RowLayout(NamedTuple):
         for low in range(0, count, step):
             for destination, source in copies:
                 destination[low:low + step] = 0 if source is None else source[low:low + step]
+        return out
+
+    def _pack_small(self, leaves, start: int, count: int, out: np.ndarray) -> np.ndarray:
+        """``pack_host`` for a batch of a few KiB: every leaf's bytes (and zero bytes after a leaf that ends inside a
+        word) side by side in one ``np.concatenate`` into ``out``. For a few rows the per-leaf copies' call overhead
+        is the cost, and one call halves it; for large batches the blocked copies above are faster."""
+        parts = []
+        for leaf, slot, dtype in zip(leaves, self.slots, self.spec.dtypes):
+            if slot.elems == 0:
+                continue
+            x = np.asarray(leaf)[start:start + count]
+            if x.dtype != dtype:
+                x = x.astype(dtype)  # 64-bit input admitted by cast=True
+            parts.append(np.ascontiguousarray(x).reshape(count, -1).view(np.uint8))
+            pad = 4 * slot.words - slot.elems * dtype.itemsize
+            if pad:  # pack pads with zeros (a 1- or 2-byte leaf: its word zero-extended, little-endian)
+                parts.append(np.zeros((count, pad), np.uint8))
+        if parts:
+            np.concatenate(parts, axis=1, out=out.view(np.uint8)[:count])
+        else:
+            out[:count] = 0
         return out
 
     def unpack(self, rows: jax.Array):
@@ -248,6 +271,7 @@ _UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
 PACK_BLOCK_BYTES = 512 << 10  # pack_host writes rows in blocks of this size (half a core's 1 MiB L2 here; see there)
+SMALL_PACK_BYTES = 32 << 10  # pack_host packs a batch of at most this many bytes with one concatenate (_pack_small)
 
 
 @functools.cache

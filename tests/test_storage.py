@@ -133,17 +133,21 @@ def test_gathering_leaves_equals_gathering_rows_then_unpacking(ring):
         assert_bits_equal(jax.jit(functools.partial(layout.read_leaf, name=k))(rows, at=at), whole[k])
 
 
-@pytest.mark.parametrize("block_rows", [None, 1, 2, 4], ids=["one-block", "blocks-of-1", "blocks-of-2", "blocks-of-4"])
+@pytest.mark.parametrize("block_rows", ["small", None, 1, 2, 4],
+                         ids=["one-concatenate", "one-block", "blocks-of-1", "blocks-of-2", "blocks-of-4"])
 def test_host_packing_matches_device_packing_bit_for_bit(block_rows, monkeypatch):
     """The shell packs NumPy batches on the host (pack_host) and device arrays in the kernel (pack): the same rows,
     padding and NaN payloads included, for every dtype and word alignment, narrow and wide (image-like) leaves, also
     into a reused, dirty output array, for a slice of the batch with padding rows past it, and for leaves that are
-    strided views of larger arrays; in one block of rows or in several (the last one short)."""
+    strided views of larger arrays; as a small batch in one concatenate, in one block of rows or in several (the last
+    one short)."""
     shapes = {k: (s, d) for k, (s, d, _) in MIXED.items()} | {"wide_u8": ((67,), np.uint8),
                                                                  "wide_bf16": ((33,), jnp.bfloat16)}
     spec = ExperienceSpec.from_structs({k: jax.ShapeDtypeStruct(s, d) for k, (s, d) in shapes.items()})
     layout = storage.RowLayout.of(spec)
-    if block_rows is not None:
+    if block_rows != "small":
+        monkeypatch.setattr(storage, "SMALL_PACK_BYTES", 0)
+    if block_rows not in (None, "small"):
         monkeypatch.setattr(storage, "PACK_BLOCK_BYTES", block_rows * layout.row_bytes)
     rng = np.random.default_rng(1)
     batch = {k: random_leaf(rng, 9, s, d, nan_payloads=True) for k, (s, d) in shapes.items()}
