@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from conduit_jax import limits, replay, runtime, storage
+from conduit_jax import limits, replay, runtime, staging
 from conduit_jax._pytree import LeafBundle
 from conduit_jax._pytree import replace as _replace
 from conduit_jax.errors import ConfigError, SpecError
@@ -138,6 +138,15 @@ def padded_rows(n: int, num_shards: int, shard_capacity: int) -> int:
     return num_shards * compile_size(-(-n // num_shards), limit=shard_capacity)
 
 
+def staged_rows(n: int, num_shards: int, shard_capacity: int) -> int:
+    """Rows of the block that carries ``n`` staged items into a kernel: ``num_shards`` times a power of four, at most
+    a ring. How many items wait for a draw can depend on thread timing (producers racing a sampler), so the buckets
+    are coarse: at most one compiled variant per factor of four, with rows past ``n`` dropped by the write."""
+    per_shard = compile_size(-(-n // num_shards))
+    per_shard <<= (per_shard.bit_length() - 1) % 2
+    return num_shards * min(per_shard, shard_capacity)
+
+
 def ingest_chunks(n: int, config: ReplayConfig) -> list[tuple[int, int, int]]:
     """``(start, count, rows)`` for each kernel call that writes an ``n``-item batch: one call writes at most a full
     ring per shard, and its batch is padded to ``rows = padded_rows(count)``."""
@@ -240,11 +249,25 @@ class StateTypes(NamedTuple):
 class Engine:
     """Compiled kernels over one buffer's state, and that state in the kernels' form.
 
-    Not thread-safe: the caller serialises calls (the plane holds its lock around each). ``state`` may be None
-    (freed, e.g. before a restore reads the saved one); ``seed`` builds a fresh empty state.
+    Besides the state, the engine holds the host work that is not in it yet, in the order it was given: checked
+    priority updates (``pend``) and then staged ingests (``ingest(..., staged=True)``: packed into a host
+    ``StagingArea``, see ``staging.py``). Every kernel the engine dispatches applies the updates, then writes the
+    staged rows, then does its own work, all in one dispatch; ``flush`` runs a kernel for just those. So whatever
+    reads the state (a draw, ``state``, ``status``, ``run``) sees everything given before it. A caller that gives an
+    update while rows are staged flushes first (the plane does), which keeps updates before staged rows.
+
+    Not thread-safe: the caller serialises calls (the plane holds its lock around each), except ``pend``, a deque
+    append that any thread may make. ``state`` may be None (freed, e.g. before a restore reads the saved one);
+    ``seed`` builds a fresh empty state. ``staging_rows``: items the staging area holds (default
+    ``staging.staging_rows``; the caller checks a given one with ``staging.checked_rows``).
+    ``update_headroom``: the first batch of pending updates is padded to this multiple of its size (see
+    ``_take_updates``). ``pending``: the deque ``pend`` appends to (an engine that replaces another on the same
+    buffer takes over its deque, so an update given while they are swapped is not lost).
     """
 
-    def __init__(self, config: ReplayConfig, shardings, seed: Optional[int] = 0):
+    def __init__(self, config: ReplayConfig, shardings, seed: Optional[int] = 0, *,
+                 staging_rows: Optional[int] = None, update_headroom: int = 1,
+                 pending: Optional[collections.deque] = None):
         self.config, self.shardings = config, shardings
         self.abstract = abstract = jax.eval_shape(functools.partial(replay.init, config, 0))
         self.bundle = bundle = LeafBundle(abstract, shardings)
@@ -262,7 +285,21 @@ class Engine:
         # ~300 back-to-back priority updates on 8 emulated devices). There, each kernel completes before the next.
         self._one_at_a_time = config.num_shards > 1 and config.mesh.devices.flat[0].platform == "cpu"
         self.compiles: collections.Counter = collections.Counter()  # kernel name -> XLA compilations
-        self._build_kernels()
+        self.dispatches: collections.Counter = collections.Counter()  # kernel name -> calls (status reads apart)
+        # (step, update rows, (staged rows, host-packed) or None, recycles) -> (compiled kernel, its name)
+        self._kernels: dict[tuple, Any] = {}
+        self._steps = {"": (lambda state: (state,), 0),
+                       "sample": (functools.partial(replay.sample, config), 1),
+                       "version": (lambda state, version: (replay.set_policy_version(config, state, version),), 0)}
+        self._status_kernel = jax.jit(lambda *form: replay.status(config, self._joined(*form)))
+        rows = staging.staging_rows(config.layout, config.capacity, config.num_shards) if staging_rows is None \
+            else staging_rows
+        self.staging = staging.StagingArea(config.layout, rows,
+                                           staged_rows(rows, config.num_shards, config.shard_capacity))
+        # checked priority updates not yet in the state, oldest first: the next kernel applies them
+        self.pending: collections.deque[tuple[np.ndarray, np.ndarray]] = collections.deque() if pending is None \
+            else pending
+        self._update_rows, self.update_headroom = 0, int(update_headroom)
         # the state, in one or both of two forms that agree: the pytree (``_tree``) and the kernels' form (``_form``:
         # storage's large leaves, the rest's large leaves, the small leaves' vector). Kernels produce the form;
         # reading ``state`` joins it once.
@@ -271,64 +308,28 @@ class Engine:
         if seed is not None:
             self._keep(*jax.jit(lambda: bundle.split(replay.init(config, seed)),
                                 out_shardings=(bundle.large_shardings, bundle.small_sharding))())
-        # (host array, an output of the ingest that read it): reused for the next batch once that ingest is done
-        self._last_staging: Optional[tuple[np.ndarray, jax.Array]] = None
         self._delivery_layout = None  # (treedef, [(shape, dtype, sharding)]) of the batches sample kernels deliver
         # the host's copy of the status scalars a host policy decides on (size, deliverable, limiter balance), kept
-        # by arithmetic on each kernel call: read from the device only when unknown (see ``known``)
+        # by arithmetic on each call: read from the device only when unknown (see ``known``)
         self._mirror: Optional[dict[str, Any]] = None
 
-    def _build_kernels(self) -> None:
-        config = self.config
-        self._ingest_kernels: dict[tuple[int, bool], Any] = {}  # (rows, host-packed) -> kernel
-        # + the deliverable count, for samplers that keep it in an index; a draw changes it only where it retires
-        # items, so the sample kernels report it only then
-        reports = self.reports_deliverable
-        sample_reports = reports and config.sampler.sampling_retires
-
-        def update_sample(state, updates):
-            return replay.sample(config, _replace(state, sampler=replay.update(config, state,
-                                                                              *unpack_updates(updates))))
-
-        sample_step = self._reporting(functools.partial(replay.sample, config), sample_reports)
-        update_sample_step = self._reporting(update_sample, sample_reports)
-        deliver = functools.partial(self.reading_kernel, delivery=True)
-        # with a finished Delivery donated (recycles): XLA writes the new batch into its buffers (sample(recycle=))
-        self._sample_kernels = {(pending, recycles): deliver(step, num_outputs=1 + sample_reports, recycles=recycles)
-                                for pending, step in ((False, sample_step), (True, update_sample_step))
-                                for recycles in (False, True)}
-        self._version_kernel = self.reading_kernel(self._reporting(lambda state, version: (
-            replay.set_policy_version(config, state, version),), reports), num_outputs=int(reports))
-        self._update_kernel = self.reading_kernel(lambda state, updates: (
-            _replace(state, sampler=replay.update(config, state, *unpack_updates(updates))),), num_outputs=0)
-        self._status_kernel = jax.jit(lambda *form: replay.status(config, self._joined(*form)))
-
-    def _reporting(self, step, reports: bool):
-        """``step(state, *args) -> (state', *outputs)``, with the deliverable count after it as one more output when
-        ``reports``."""
-        if not reports:
-            return step
-        config = self.config
-
-        def reporting_step(state, *args):
-            new_state, *outputs = step(state, *args)
-            return (new_state, *outputs, replay.deliverable(config, new_state))
-
-        return reporting_step
-
+    # -- kernels ----------------------------------------------------------------------------------------------------
     def _joined(self, storage_leaves, rest_leaves, small):
         """Inside a kernel: the state from its bundled form, every leaf computable (see ``computable``)."""
         return computable(self.bundle.join(tuple(storage_leaves) + tuple(rest_leaves), small), self.shardings)
 
-    def reading_kernel(self, step, num_outputs: int, recycles: bool = False, delivery: bool = False):
-        """Jit ``step(state, *args) -> (state', *outputs)`` for a step that only reads storage, over the state's
-        bundled form: storage's large leaves (the ring) go in undonated and do not come out, the rest is donated and
-        keeps its placement. Call it with ``run``.
+    def reading_kernel(self, step, num_outputs: int, recycles: bool = False, delivery: bool = False,
+                       writes: bool = False):
+        """Jit ``step(state, *args) -> (state', *outputs)`` over the state's bundled form. For a step that only reads
+        storage: storage's large leaves (the ring) go in undonated and do not come out, the rest is donated and keeps
+        its placement. Call it with ``run`` (which writes staged rows and pending updates first, in a kernel of
+        their own). ``writes``: the step writes storage too; the whole state is donated and returned (the engine's
+        own kernels that carry staged rows).
 
         ``recycles``: the kernel takes one more donated argument after the state, a finished output of the same
         shapes, which it never reads: XLA writes the outputs into its buffers (``keep_unused``, or jit would drop it).
         ``delivery``: compiled with the delivery kernels' XLA options (``runtime.delivery_compiler_options``)."""
-        storage_large = self._storage_large
+        storage_large = 0 if writes else self._storage_large
         joined, split = self._joined, self.bundle.split
 
         def kernel(storage_leaves, rest_leaves, small, *args):
@@ -336,15 +337,108 @@ class Engine:
             large, small = split(new_state)
             return (large[storage_large:], small, *outputs)
 
+        donated = (0, 1, 2) if writes else (1, 2)
         options = runtime.delivery_compiler_options(self.config.mesh.devices.flat) if delivery else None
-        return jax.jit(kernel, donate_argnums=(1, 2, 3) if recycles else (1, 2), keep_unused=recycles,
+        return jax.jit(kernel, donate_argnums=donated + ((3,) if recycles else ()), keep_unused=recycles,
                        out_shardings=(self.bundle.large_shardings[storage_large:], self.bundle.small_sharding)
                        + (None,) * num_outputs, compiler_options=options)
+
+    def _kernel(self, step_name: str, updates: int, staged: Optional[tuple[int, bool]], recycles: bool = False):
+        """The compiled kernel that applies ``updates`` rows of ``pack_updates``' array (0: none), then writes a
+        staged block (``staged``: its (rows, host-packed), or None), then runs step ``step_name`` ("" for none,
+        "sample", "version"). Its outputs: the finished marker of the staged block (if any), the step's own, and the
+        deliverable count (if it may have changed and the sampler keeps it in an index)."""
+        key = (step_name, updates, staged, recycles)
+        kernel = self._kernels.get(key)
+        if kernel is not None:
+            return kernel[0]
+        config = self.config
+        step, own_outputs = self._steps[step_name]
+        reports = self.reports_deliverable and (staged is not None or step_name == "version" or (
+            step_name == "sample" and config.sampler.sampling_retires))
+
+        def full_step(state, *args):
+            args = list(args)
+            if updates:
+                state = _replace(state, sampler=replay.update(config, state, *unpack_updates(args.pop(0))))
+            outputs = []
+            if staged is not None:
+                block, n = args.pop(0), args.pop(0)
+                state = replay.ingest(config, state, block, n, packed=staged[1])
+                # a scalar of its own that is ready once this kernel has run, even after the state has been donated to
+                # another jit: the staging area it read is packed again only then
+                outputs.append(jnp.sum(state.storage.cursor))
+            state, *own = step(state, *args)
+            outputs += own
+            if reports:
+                outputs.append(replay.deliverable(config, state))
+            return (state, *outputs)
+
+        kernel = self.reading_kernel(full_step, int(staged is not None) + own_outputs + int(reports), recycles,
+                                     delivery=step_name == "sample", writes=staged is not None)
+        self._kernels[key] = kernel, self._kernel_name(*key)
+        return kernel
+
+    @staticmethod
+    def _kernel_name(step_name: str, updates: int, staged: Optional[tuple[int, bool]], recycles: bool) -> str:
+        parts = [f"update[{updates}]"] if updates else []
+        if staged is not None:
+            parts.append(f"ingest[{staged[0]}{',packed' if staged[1] else ''}]")
+        if step_name:
+            parts.append(step_name + ("[recycle]" if recycles else ""))
+        return "+".join(parts)
+
+    def _dispatch(self, step_name: str, *step_args, recycle=None, block=None) -> list:
+        """Run step ``step_name`` in one kernel that first applies the pending updates and writes the staged rows
+        (or ``block``: a (device batch, n) written instead, after the updates); return the step's outputs."""
+        storage_large, rest_large, small = self._live_form
+        updates = self._take_updates()
+        args: list = [] if recycle is None else [recycle]
+        if updates is not None:
+            args.append(updates)
+        staged = None
+        if block is not None:
+            batch, n = block
+            staged = (jax.tree_util.tree_leaves(batch)[0].shape[0], False)
+            args += [batch, np.int32(n)]
+        elif self.staging.count:
+            rows = staged_rows(self.staging.count, self.config.num_shards, self.config.shard_capacity)
+            packed_rows, n = self.staging.block(rows)
+            staged = (rows, True)
+            args += [packed_rows, np.int32(n)]
+        key = (step_name, 0 if updates is None else updates.shape[0], staged, recycle is not None)
+        built = self._kernels.get(key)
+        kernel, name = built if built is not None else (self._kernel(*key), self._kernel_name(*key))
+        self.dispatches[name] += 1
+        with self.counting(name):
+            out = self._settled(kernel(storage_large, rest_large, small, *args, *step_args))
+        if staged is None:
+            rest_large, small, *outputs = out
+            self._keep(storage_large + tuple(rest_large), small)
+        else:
+            large, small, finished, *outputs = out
+            self._keep(large, small)
+            if block is None:
+                self.staging.given(finished)
+        mirror = self._mirror
+        if len(outputs) > self._steps[step_name][1]:  # the deliverable count after this kernel, a device scalar
+            reported = outputs.pop()
+            if mirror is not None:
+                mirror["deliverable"] = reported
+        return outputs
+
+    def flush(self) -> None:
+        """Apply the pending updates and write the staged rows, in one kernel (nothing when there are none)."""
+        if self.pending or self.staging.count:
+            self._dispatch("")
 
     # -- the state --------------------------------------------------------------------------------------------------
     @property
     def state(self) -> Optional[ReplayState]:
-        """The whole state as one pytree, assembled from the kernels' form once after each kernel call."""
+        """The whole state as one pytree (staged rows and pending updates written first), assembled from the kernels'
+        form once after each kernel call."""
+        if self._form is not None:
+            self.flush()
         if self._tree is None and self._form is not None:
             storage_large, rest_large, small = self._form
             self._tree = self.bundle.to_tree(storage_large + rest_large, small)
@@ -353,8 +447,11 @@ class Engine:
     @state.setter
     def state(self, tree: Optional[ReplayState]) -> None:
         """A state from outside, split into the kernels' form now (its large leaves are shared, so the pytree stays
-        valid too); a leaf placed elsewhere than ``shardings`` says is moved there first. None frees the state."""
+        valid too); a leaf placed elsewhere than ``shardings`` says is moved there first. None frees the state. What
+        was given before (pending updates, staged rows) goes into the state being replaced, as the calls' order has it."""
         leaves = None if tree is None else self.check_state(tree)  # a refused state leaves this one as it was
+        if self._form is not None:
+            self.flush()
         self._form, self._mirror = None, None
         if tree is not None:
             if any(_placed_elsewhere(leaf, target) for leaf, target in zip(leaves, self._leaf_shardings)):
@@ -375,7 +472,8 @@ class Engine:
         return self._form
 
     def block_until_ready(self) -> None:
-        """Wait until every kernel dispatched on the state so far has finished."""
+        """Wait until everything given so far is in the state and every kernel dispatched on it has finished."""
+        self.flush()
         jax.block_until_ready(self._form)
 
     def _keep(self, large, small) -> None:
@@ -395,122 +493,110 @@ class Engine:
 
     def kernel_cache_sizes(self) -> dict[str, int]:
         """Compiled variants held by each kernel's jit cache (a steady loop keeps them at 1)."""
-        out = {f"ingest[{rows}{',packed' if packed else ''}]": kernel._cache_size()
-               for (rows, packed), kernel in self._ingest_kernels.items()}
-        out.update({f"sample[{'update,' if p else ''}{'recycle' if r else ''}]": k._cache_size()
-                    for (p, r), k in self._sample_kernels.items()})
-        out.update(update=self._update_kernel._cache_size(), version=self._version_kernel._cache_size())
-        return out
+        return {name: kernel._cache_size() for kernel, name in self._kernels.values()}
 
     def lowered(self, kernel: str, *args, platform: Optional[str] = None):
-        """``jax.stages.Lowered`` of a kernel over the current state (``sample``, ``update``, ``update+sample``,
-        ``version``, ``ingest`` with ``(rows, packed_rows_or_batch, n)``), to read its HLO. ``platform`` (e.g.
-        ``"cuda"``): lowered for that backend instead of this one, to read what a GPU would be asked to move."""
-        if kernel == "ingest":
-            rows, block, n = args
-            jitted, args = self._ingest_kernel(rows, True), (block, n)
-        else:
-            jitted = {"sample": self._sample_kernels[False, False], "update": self._update_kernel,
-                      "update+sample": self._sample_kernels[True, False], "version": self._version_kernel}[kernel]
+        """``jax.stages.Lowered`` of a kernel over the current state, to read its HLO: ``sample``, ``version`` (with
+        the version), ``update`` and ``update+sample`` (with ``pack_updates``' array), ``ingest`` and
+        ``ingest+sample`` (with ``(rows, block, n)``: a packed host block of ``rows`` rows holding ``n`` items).
+        ``platform`` (e.g. ``"cuda"``): lowered for that backend instead of this one, to read what a GPU would be
+        asked to move."""
+        step_name = {"sample": "sample", "update+sample": "sample", "ingest+sample": "sample", "version": "version",
+                     "update": "", "ingest": ""}[kernel]
+        updates = args[0].shape[0] if kernel.startswith("update") else 0
+        staged = (args[0], True) if kernel.startswith("ingest") else None
+        if staged is not None:
+            args = (args[1], np.int32(args[2]))
+        elif kernel == "version":
+            args = (np.int32(args[0]),)
+        jitted = self._kernel(step_name, updates, staged)
         return jitted.trace(*self._live_form, *args).lower(lowering_platforms=None if platform is None else (platform,))
 
     def run(self, name: str, kernel, *args) -> list:
         """Call a kernel built by ``reading_kernel`` on the state (its compilations counted under ``name``), keep
-        the state it returns, return its outputs. The host's status copy is read from the device again next time
-        (the engine cannot tell what the kernel changed)."""
+        the state it returns, return its outputs. Pending updates and staged rows are written first, by a kernel of
+        their own. The host's status copy is read from the device again next time (the engine cannot tell what the
+        kernel changed)."""
+        self.flush()
         self._mirror = None
-        return self._call(name, kernel, *args)
-
-    def _call(self, name: str, kernel, *args) -> list:
         storage_large, rest_large, small = self._live_form
+        self.dispatches[name] += 1
         with self.counting(name):
             rest_large, small, *outputs = self._settled(kernel(storage_large, rest_large, small, *args))
         self._keep(storage_large + tuple(rest_large), small)
         return outputs
 
-    # -- kernels ----------------------------------------------------------------------------------------------------
-    def ingest(self, batch, n: int) -> None:
-        """Write the ``n`` items of ``batch`` (a checked pytree with a leading item axis): device arrays of exactly a
-        bucket's size go in as they are and are packed on the device; everything else is packed on the host into one
-        array (one transfer instead of one per leaf, the caller's buffers never aliased, and no op on the unpadded
-        shape, which would compile once per batch size)."""
+    # -- what the host gives: ingests and priority updates ------------------------------------------------------------
+    def ingest(self, batch, n: int, *, staged: bool = False) -> None:
+        """Take the ``n`` items of ``batch`` (a checked pytree with a leading item axis).
+
+        Host batches (and device arrays elsewhere than this mesh) are packed into the staging area (one copy; the
+        caller's buffers are never aliased): with ``staged`` they wait there for the next kernel, else a kernel
+        writes them now. Either way a batch that does not fit the area's room fills it and is written one full area
+        per kernel. Device arrays on this mesh of exactly a write bucket's size go in as they are, by a kernel now,
+        after the staged rows."""
         leaves = jax.tree_util.tree_leaves(batch)
-        layout = self.config.layout
-        reported: list = []
-        on_mesh = all(isinstance(leaf, jax.Array) and leaf.sharding.device_set == self._devices for leaf in leaves)
-        for start, count, rows in ingest_chunks(n, self.config):
-            if start == 0 and count == rows and on_mesh:  # (arrays on other devices are packed on the host)
-                block, packed = batch, False
-            else:
-                block, packed = layout.pack_host(leaves, start, count, rows, self._staging(rows)), True
-            with self.counting(f"ingest[{rows}{',packed' if packed else ''}]"):
-                large, small, finished, *reported = self._settled(self._ingest_kernel(rows, packed)(
-                    *self._live_form, layout.to_ring(block) if packed else block, np.int32(count)))
-            self._keep(large, small)
-            if packed:
-                self._last_staging = (block, finished)
-        mirror = self._mirror
-        if mirror is not None:
-            sampler = self.config.sampler
-            mirror["size"] = min(mirror["size"] + n, self.config.capacity)
-            mirror["limiter_balance"] = int(self.config.limiter.on_insert(
-                limits.LimiterState(mirror["limiter_balance"]), n).balance)
-            if sampler.deliverable is None:
-                mirror["deliverable"] = mirror["size"]
-            elif sampler.consumes:
-                mirror["deliverable"] += n
-            else:
-                mirror["deliverable"] = reported[0]  # a device scalar, read only if a check needs it
-
-    @property
-    def staging(self) -> Optional[np.ndarray]:
-        """The host array the last host-packed batch went into (reused for the next once its ingest finished)."""
-        return None if self._last_staging is None else self._last_staging[0]
-
-    def _staging(self, rows: int) -> np.ndarray:
-        """The host array a batch is packed into: the last one again when its shape fits and the ingest that read it
-        has finished (JAX reads it in place), else a fresh one. Fresh pages fault on first write, which made packing
-        a 4.5 MB PPO rollout take 2x as long."""
-        if self._last_staging is not None:
-            block, finished = self._last_staging
-            if block.shape[0] == rows and finished.is_ready():
-                return block
-        return storage.aligned_empty((rows, self.config.layout.row_words))
-
-    def _ingest_kernel(self, rows: int, packed: bool):
-        """The compiled ingest for one bucket of batch rows, for host-packed rows or a pytree of device arrays."""
-        kernel = self._ingest_kernels.get((rows, packed))
-        if kernel is None:
-            config, bundle = self.config, self.bundle
-
-            def ingest_step(state, batch, n):
-                new_state = replay.ingest(config, state, batch, n, packed=packed)
-                # a scalar of its own that is ready once this ingest has finished, even after the state has been
-                # donated to another jit: the staging array this ingest read is packed again only then
-                return new_state, jnp.sum(new_state.storage.cursor)
-
-            step = self._reporting(ingest_step, self.reports_deliverable)
-
-            def ingest_kernel(storage_large, rest_large, small, batch, n):
-                new_state, *outputs = step(self._joined(storage_large, rest_large, small), batch, n)
-                return (*bundle.split(new_state), *outputs)
-
-            kernel = jax.jit(ingest_kernel, donate_argnums=(0, 1, 2),
-                             out_shardings=(bundle.large_shardings, bundle.small_sharding, None)
-                             + (None,) * int(self.reports_deliverable))
-            self._ingest_kernels[(rows, packed)] = kernel
-        return kernel
-
-    def sample(self, updates: Optional[np.ndarray] = None, recycle: Optional[Delivery] = None) -> Delivery:
-        """One batch, after applying ``updates`` (``pack_updates``' array) in the same kernel; ``recycle``: a checked
-        finished Delivery whose buffers receive the batch."""
-        kernel = self._sample_kernels[updates is not None, recycle is not None]
-        if updates is None:
-            name = "sample" if recycle is None else "sample[recycle]"
+        config = self.config
+        if staged and self._mirror is None:
+            self.known()  # the status before these items, read now: a read later would write them first
+        rows = padded_rows(n, config.num_shards, config.shard_capacity)
+        if n == rows and n <= config.capacity and all(
+                isinstance(leaf, jax.Array) and leaf.sharding.device_set == self._devices for leaf in leaves):
+            self.flush()
+            self._dispatch("", block=(batch, n))
+            staged = False
         else:
-            name = f"update+sample[{updates.shape[0]}{'' if recycle is None else ',recycle'}]"
-        args = (() if recycle is None else (recycle,)) + (() if updates is None else (updates,))
-        delivery, *reported = self._call(name, kernel, *args)
+            start = 0
+            while start < n:
+                if not self.staging.room:
+                    self.flush()
+                count = min(n - start, self.staging.room)
+                self.staging.stage(leaves, start, count)
+                start += count
+            if not staged:
+                self.flush()
+        self._count_inserted(n, written=not staged)
+
+    def _count_inserted(self, n: int, written: bool) -> None:
+        """Keep the host's status copy in step with an ingest of ``n`` items."""
+        mirror = self._mirror
+        if mirror is None:
+            return
+        sampler = self.config.sampler
+        mirror["size"] = min(mirror["size"] + n, self.config.capacity)
+        mirror["limiter_balance"] = int(self.config.limiter.on_insert(
+            limits.LimiterState(mirror["limiter_balance"]), n).balance)
+        if sampler.deliverable is None:
+            mirror["deliverable"] = mirror["size"]
+        elif sampler.consumes:
+            mirror["deliverable"] += n
+        elif not written:
+            mirror["deliverable"] = None  # an index's count: known once a kernel has written the rows (it reports it)
+
+    def pend(self, checked: tuple[np.ndarray, np.ndarray]) -> None:
+        """Queue a checked priority update (``spec.checked_priority_update``) for the next kernel. Any thread."""
+        self.pending.append(checked)
+
+    def _take_updates(self) -> Optional[np.ndarray]:
+        """The pending updates packed for one kernel (``pack_updates``), or None."""
+        pending = self.pending
+        taken = [pending.popleft() for _ in range(len(pending))]  # an append meanwhile waits for the next kernel
+        if not taken:
+            return None
+        packed = pack_updates(taken)
+        # padded (rows marked invalid) to the largest bucket so far, the first one to update_headroom times its size:
+        # how many steps' updates one kernel coalesces can depend on thread timing (a delivery worker), and each new
+        # bucket compiles a kernel (~0.5 s here) in the middle of a run
+        rows = max(packed.shape[0], self._update_rows or packed.shape[0] * self.update_headroom)
+        self._update_rows = rows
+        return packed if rows == packed.shape[0] else np.concatenate(
+            [packed, np.zeros((rows - packed.shape[0], packed.shape[1]), packed.dtype)])
+
+    # -- the engine's kernels -----------------------------------------------------------------------------------------
+    def sample(self, recycle: Optional[Delivery] = None) -> Delivery:
+        """One batch, drawn after the pending updates and staged rows are in, in the same kernel; ``recycle``: a
+        checked finished Delivery whose buffers receive the batch."""
+        delivery, = self._dispatch("sample", recycle=recycle)
         if self._delivery_layout is None:
             leaves, treedef = jax.tree_util.tree_flatten(delivery)
             self._delivery_layout = treedef, [(leaf.shape, leaf.dtype, leaf.sharding) for leaf in leaves]
@@ -520,27 +606,22 @@ class Engine:
                 limits.LimiterState(mirror["limiter_balance"]), batch_size).balance)
             if self.config.sampler.consumes:
                 mirror["deliverable"] -= batch_size
-            elif reported:
-                mirror["deliverable"] = reported[0]
         return delivery
 
-    def update(self, updates: np.ndarray) -> None:
-        """Apply ``pack_updates``' array in a kernel of its own."""
-        self._call("update", self._update_kernel, updates)
-
     def set_policy_version(self, version: int) -> None:
-        reported = self._call("version", self._version_kernel, np.int32(version))
-        if self._mirror is not None and reported:
-            self._mirror["deliverable"] = reported[0]  # retired items can empty an eligibility index
+        self._dispatch("version", np.int32(version))  # retired items can empty an eligibility index: reported
 
     def knows(self, need_deliverable: bool = False) -> bool:
-        """Whether ``known`` answers from the host's copy (else it reads the status from the device)."""
+        """Whether ``known`` answers from the host's copy (else it writes what is staged and reads the status)."""
         return self._mirror is not None and not (need_deliverable and self._mirror["deliverable"] is None)
 
     def known(self, need_deliverable: bool = False) -> dict[str, Any]:
         """The status scalars a host policy decides on (``size``, ``deliverable``, ``limiter_balance``) from the
         host's copy, read from the device only when unknown. A sampler whose deliverable count is an index has it
-        reported by the last kernel that changed it, as a device scalar read here only when ``need_deliverable``."""
+        reported by the last kernel that changed it, as a device scalar read here only when ``need_deliverable``
+        (staged rows are written first when they made it unknown)."""
+        if need_deliverable and self._mirror is not None and self._mirror["deliverable"] is None:
+            self.flush()  # its kernel reports the count
         if not self.knows(need_deliverable):
             status = self.status()
             self._mirror = {key: status[key] for key in ("size", "deliverable", "limiter_balance")}
@@ -549,7 +630,9 @@ class Engine:
         return self._mirror
 
     def status(self) -> dict[str, int]:
-        """The status scalars (``replay.status``) read from the device: waits for every kernel in flight."""
+        """The status scalars (``replay.status``) read from the device, after what is staged: waits for every kernel
+        in flight."""
+        self.flush()
         with self.counting("status"):
             status = self._status_kernel(*self._live_form)
         return {k: int(v) for k, v in jax.device_get(status).items()}
@@ -563,7 +646,8 @@ class Engine:
         inserted = sum(int(lap) * config.shard_capacity + int(c) for c, lap in zip(cursor, laps))
         out = {"size": status["size"], "capacity": config.capacity, "num_shards": config.num_shards,
                "items_inserted": inserted, "items_overwritten": inserted - status["size"],
-               "sampler": sampler.name, "limiter": config.limiter.name, "compiled": self.compile_counts()}
+               "sampler": sampler.name, "limiter": config.limiter.name, "compiled": self.compile_counts(),
+               "dispatches": dict(sorted(self.dispatches.items()))}
         if sampler.deliverable is not None:
             out["deliverable"] = status["deliverable"]
         if "priority_updates_ignored" in status:

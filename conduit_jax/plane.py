@@ -12,7 +12,6 @@ reaches the plane only through the callables it is given. Code that runs inside 
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import functools
 import math
@@ -27,8 +26,9 @@ from jax.sharding import Mesh, NamedSharding
 
 from conduit_jax import checkpoint, functional, limits, memory, metrics, replay, runtime, samplers
 from conduit_jax import schedule as schedule_lib
+from conduit_jax import staging as staging_lib
 from conduit_jax.delivery import Scheduler
-from conduit_jax.engine import Engine, pack_updates
+from conduit_jax.engine import Engine
 from conduit_jax.errors import CapacityError, ConfigError, NotEnoughDataError, RateLimitedError, SpecError
 from conduit_jax.limits import LimiterState, Staleness
 from conduit_jax.replay import Delivery, ReplayState
@@ -44,7 +44,9 @@ class ExperienceDataPlane:
       sampler: a ``samplers.*`` policy; default ``samplers.uniform(256)``.
       limiter: a ``limits.*`` rate limiter; default ``limits.min_size(1)``.
       staleness: ``limits.Staleness(max_versions, key)``: deliver only items at most that many policy versions old.
-      schedule: how ``deliver()`` overlaps sampling with the learner (``schedule.sync()`` by default). A schedule
+      schedule: when ingests are written and how ``deliver()`` overlaps sampling with the learner
+        (``schedule.staged()`` by default: ingests ride the next draw's kernel; ``schedule.sync()``: the eager
+        baseline, a kernel per call). A schedule
         that prefetches runs a delivery worker thread (``delivery.py``) until ``close()`` (or the plane is collected;
         ``with ExperienceDataPlane(...) as plane:`` closes it).
       mesh: the devices to shard over (every axis of the mesh is used); default every local device on one axis.
@@ -53,13 +55,16 @@ class ExperienceDataPlane:
       cast: accept int64/float64 leaves and narrow them to the spec's 32-bit dtypes (x64 is off in JAX).
       state: start from this state (a ``ReplayState`` of this configuration, e.g. from the functional API or a
         checkpoint) instead of an empty one.
+      staging: items the host staging area holds before a kernel writes them (default: 8 MiB of packed rows, at
+        most ``capacity``); an ingest that finds it full writes it first, one kernel per full area.
     """
 
     def __init__(self, spec, capacity: int, sampler: Optional[samplers.Sampler] = None, *,
                  limiter: Optional[limits.Limiter] = None, staleness: Optional[Staleness] = None,
                  schedule: Optional[schedule_lib.Schedule] = None, mesh: Optional[Mesh] = None, plan=None,
-                 seed: int = 0, cast: bool = False, state: Optional[ReplayState] = None):
-        self.schedule = schedule_lib.sync() if schedule is None else schedule
+                 seed: int = 0, cast: bool = False, state: Optional[ReplayState] = None,
+                 staging: Optional[int] = None):
+        self.schedule = schedule_lib.staged() if schedule is None else schedule
         if not isinstance(self.schedule, schedule_lib.Schedule):
             raise ConfigError(f"ExperienceDataPlane(): schedule must be a schedule.* policy (e.g. "
                               f"schedule.overlap(2)), got {type(self.schedule).__name__}")
@@ -71,22 +76,20 @@ class ExperienceDataPlane:
         self.spec, self.sampler, self.limiter = self.config.layout.spec, self.config.sampler, self.config.limiter
         self.mesh, self.plan, self.cast = self.config.mesh, plan, bool(cast)
         schedule_lib.warn_if_synchronous(self.schedule, self.mesh.devices.flat, stacklevel=3)
-        self.engine = Engine(self.config, shardings, int(seed) if state is None else None)
+        staging_rows = None if staging is None else staging_lib.checked_rows(staging, self.config.capacity,
+                                                                             "ExperienceDataPlane()")
+        self.engine = Engine(self.config, shardings, int(seed) if state is None else None,
+                             staging_rows=staging_rows, update_headroom=_update_headroom(self.schedule))
         if state is not None:
             self.engine.state = state
         self.timeline = metrics.Timeline()  # wall-clock spans per stage (see metrics.py)
         self._lock = threading.RLock()  # guards state; held by every call and by the delivery worker's draws
         self._changed = threading.Condition(self._lock)  # notified after every ingest and sample
-        # checked priority updates not yet in the state: the next sample applies them in its own kernel call (one
-        # dispatch for both); anything else that reads the state applies them first (_flush_updates). A deque:
-        # update_priorities appends without the lock (it never waits for a draw of the delivery worker)
-        self._pending_updates: collections.deque[tuple[np.ndarray, np.ndarray]] = collections.deque()
-        self._update_rows = 0  # rows of the packed updates the kernels were last given (see _take_pending_updates)
         # the schedule's host side (batches in flight, deferred updates, the delivery worker); it reaches the plane
         # through weak references, so an unclosed plane is freed as usual and its worker stops
         self._schedule = Scheduler(self.schedule, self._lock, self.capacity, self.timeline,
                                    draw=_weakly(self, "sample"), admits=_weakly(self, "can_sample"),
-                                   pend=self._pending_updates.append, refresh=_weakly(self, "_refreshed"))
+                                   pend=_weakly(self, "_pend"), refresh=_weakly(self, "_refreshed"))
         weakref.finalize(self, self._schedule.close)
 
     # -- the state ------------------------------------------------------------------------------------------------
@@ -102,8 +105,7 @@ class ExperienceDataPlane:
         runtime.refuse_under_trace("plane.state = ...", "assign the state your jitted function returns")
         with self._changed:
             self._schedule.settle()
-            self._flush_updates()  # they were reported against the state being replaced; keep the order of calls
-            self.engine.state = value
+            self.engine.state = value  # what was given before goes into the state being replaced, in order
             self._schedule.switched()  # its policy version may differ
 
     @property
@@ -118,12 +120,13 @@ class ExperienceDataPlane:
 
     @contextlib.contextmanager
     def held(self):
-        """Hold the plane still: no other call runs inside the block, and checked priority updates are in the state.
+        """Hold the plane still: no other call runs inside the block, and staged ingests and checked priority updates
+        are in the state.
         What a consistent snapshot needs (``checkpoint.save`` reads ``state`` and ``host_side()`` under it); the
         delivery worker has done what it could first, so the block sees what a plane without one would."""
         with self._changed:
             self._schedule.settle()
-            self._flush_updates()
+            self.engine.flush()
             yield self
 
     def host_side(self) -> dict[str, int]:
@@ -133,7 +136,8 @@ class ExperienceDataPlane:
         return {"in_flight": len(self._schedule.in_flight), "deferred_updates": deferred.count() if deferred else 0}
 
     def block_until_ready(self) -> "ExperienceDataPlane":
-        """Wait until every kernel dispatched on the state so far has finished."""
+        """Wait until every item ingested and every update given so far is in the state, and every kernel
+        dispatched on it has finished."""
         with self._changed:
             self.engine.block_until_ready()
         return self
@@ -160,7 +164,13 @@ class ExperienceDataPlane:
 
     # -- ingest -------------------------------------------------------------------------------------------------
     def ingest(self, batch, *, timeout: Optional[float] = 0.0) -> None:
-        """Validate a batch (leading item axis on every leaf) and write it into the rings.
+        """Validate a batch (leading item axis on every leaf) and take it into the plane.
+
+        Under every schedule but ``sync`` a host batch is staged: packed into a host staging area (a copy) and
+        written into the rings by the next kernel that runs anyway (a draw, the delivery worker's refill, a read of
+        the state), in that kernel's dispatch; ``sync`` writes it with a kernel of its own now. Either way the items
+        count from the moment ``ingest`` returns: ``len()``, the rate limiter, a queue's capacity and every later
+        draw see them. Device arrays already on the plane's mesh are written now.
 
         Raises ``SpecError`` for a malformed batch. When the rate limiter or a queue's capacity refuses the batch,
         waits up to ``timeout`` seconds (None: forever; 0: not at all) for a sample to make room, then raises
@@ -168,15 +178,20 @@ class ExperienceDataPlane:
         The plane keeps no reference to NumPy input: the caller may reuse its buffers once ``ingest`` returns.
         """
         runtime.refuse_under_trace("ingest()", "state = buffer.ingest(state, batch)")
+        start = time.perf_counter()  # the whole call is part of the caller's exposed path (a refused one: nothing)
         timeout = checked_timeout(timeout, "ingest()")
         n = replay.check_batch(self.config, batch, "ingest()", cast=self.cast)
         with self._changed:
             self._wait_until(lambda: self._ingest_refusal(n), timeout)
-            self._flush_updates()
-            with self.timeline.span("ingest"):
-                self.engine.ingest(batch, n)
+            self.engine.ingest(batch, n, staged=self.schedule.stage)
             self._changed.notify_all()
-            self._schedule.ingested()  # a rollout's first minibatches are staged as it is ingested
+            self._schedule.ingested()  # a rollout's first minibatches are drawn as it is ingested
+        self.timeline.record("ingest", start, time.perf_counter())
+        if threading.active_count() > 1:
+            # a staged ingest is a copy, so a producer thread in a loop of them would take the lock again before a
+            # sampler waiting for it runs (CPython's locks are not fair; a kernel of its own used to release the GIL):
+            # let a waiting thread in
+            time.sleep(0)
 
     def can_ingest(self, n: int = 1) -> bool:
         """Whether ``n`` items would be admitted now (rate limiter and queue capacity)."""
@@ -227,7 +242,7 @@ class ExperienceDataPlane:
             self._wait_until(self._sample_refusal, timeout)
             self._check_recycle(recycle, "sample()")
             with self.timeline.span("sample"):
-                delivery = self.engine.sample(self._take_pending_updates(), recycle)
+                delivery = self.engine.sample(recycle)
             self._changed.notify_all()
         return delivery
 
@@ -343,8 +358,14 @@ class ExperienceDataPlane:
         is queued and checked when it is applied, k steps later: a bad one raises from that later call, naming the
         step it was reported at, and is dropped whole. A checked update takes effect for every later call; its kernel
         work rides in the next ``sample()``'s kernel call, or runs on its own first when another call reads the state.
+        Items staged before it are written first (a kernel now), so it applies to the state they are in.
         """
         runtime.refuse_under_trace("update_priorities()", "state = buffer.update(state, ids, priorities)")
+        start = time.perf_counter()  # part of the caller's exposed path (a refused call: nothing)
+        self._update_priorities(ids, priorities)
+        self.timeline.record("update", start, time.perf_counter())
+
+    def _update_priorities(self, ids, priorities) -> None:
         if self.sampler.update is None:
             raise ConfigError(f"update_priorities(): the {self.sampler.name} sampler has no priorities; build the "
                               f"plane with samplers.prioritized(...) to use them")
@@ -353,30 +374,15 @@ class ExperienceDataPlane:
             # checked when applied, k steps later (by the delivery worker, before its next draw)
             self._schedule.report_update(ids, priorities)
             return
-        self._pending_updates.append(checked_priority_update(ids, priorities, self.capacity))
+        checked = checked_priority_update(ids, priorities, self.capacity)
+        if self.engine.staging.count:  # rows ingested before it: in the state first (the engine's kernels apply
+            with self._changed:  # pending updates before staged rows)
+                self.engine.flush()
+        self.engine.pend(checked)
 
-    def _take_pending_updates(self) -> Optional[np.ndarray]:
-        """The checked updates not yet in the state, packed for one kernel (``engine.pack_updates``), or None."""
-        pending = self._pending_updates
-        taken = [pending.popleft() for _ in range(len(pending))]  # an append meanwhile waits for the next kernel
-        if not taken:
-            return None
-        packed = pack_updates(taken)
-        # padded (rows marked invalid) to the largest bucket so far, and with a delivery worker to 4x the first: how
-        # many steps' updates one kernel coalesces depends on thread timing, and each new bucket compiles a kernel
-        # (~0.5 s here, holding the lock) in the middle of a run; 4x 64 rows cost ~10 us more per kernel here
-        rows = max(packed.shape[0], self._update_rows or packed.shape[0] * (4 if self.schedule.depth else 1))
-        self._update_rows = rows
-        return packed if rows == packed.shape[0] else np.concatenate(
-            [packed, np.zeros((rows - packed.shape[0], packed.shape[1]), packed.dtype)])
-
-    def _flush_updates(self) -> None:
-        """Apply checked priority updates in a kernel of their own (before a call other than sample reads the
-        state). Callers hold ``self._changed``."""
-        pending = self._take_pending_updates()
-        if pending is not None:
-            with self.timeline.span("update"):
-                self.engine.update(pending)
+    def _pend(self, checked) -> None:
+        """Queue checked priority updates for the next kernel (the schedule's deferred updates, when due)."""
+        self.engine.pend(checked)
 
     # -- checkpoints, placement, policy version ---------------------------------------------------------------------
     def save(self, directory, **options):
@@ -429,7 +435,8 @@ class ExperienceDataPlane:
         memory.check_fits(self.engine.abstract, shardings, config.capacity, config.num_shards, where,
                           already=self.shardings)
         with self._changed:
-            engine = Engine(config, shardings, seed=None)
+            engine = Engine(config, shardings, seed=None, staging_rows=self.engine.staging.rows,
+                            update_headroom=self.engine.update_headroom, pending=self.engine.pending)
             engine.compiles.update(self.engine.compiles)
             engine.state = self.state  # moved to the new shardings
             self.config, self.mesh, self.engine = config, config.mesh, engine
@@ -452,9 +459,7 @@ class ExperienceDataPlane:
 
     # -- status -------------------------------------------------------------------------------------------------
     def _known(self, need_deliverable: bool = False) -> dict[str, Any]:
-        """The engine's host copy of the status scalars; a read from the device first applies pending updates."""
-        if not self.engine.knows(need_deliverable):
-            self._flush_updates()
+        """The engine's host copy of the status scalars (read from the device after what is staged when unknown)."""
         return self.engine.known(need_deliverable)
 
     def compile_counts(self) -> dict[str, int]:
@@ -463,12 +468,20 @@ class ExperienceDataPlane:
 
     def stats(self) -> dict[str, Any]:
         """Counters of the plane, read from the state (``Engine.stats``), plus the shell's wall-clock timings per
-        call."""
+        call (``stages``), the kernels it dispatched (``dispatches``) and the exposed experience path (``exposed_path``:
+        ingest + deliver + priority updates on the learner's thread, ``Timeline.exposed_path``)."""
         with self.held():
             out = self.engine.stats()
-        out.update(schedule=self.schedule.name, prefetch_depth=self._schedule.depth, stages=self.timeline.summary())
+        out.update(schedule=self.schedule.name, prefetch_depth=self._schedule.depth, stages=self.timeline.summary(),
+                   exposed_path=self.timeline.exposed_path())
         return out
 
+
+
+def _update_headroom(schedule: schedule_lib.Schedule) -> int:
+    """How far the engine pads the first batch of priority updates: with a delivery worker, how many steps' updates
+    one kernel takes depends on thread timing, so 4x: a little padding per kernel instead of a compile mid-run."""
+    return 4 if schedule.depth else 1
 
 
 def _weakly(plane, method: str):

@@ -2,12 +2,17 @@
 
 A policy is data; the shell (``ExperienceDataPlane.deliver``) carries it out.
 
-* ``sync()``: the baseline, as RLlib runs it: each ``deliver()`` samples and waits, on the learner's critical path.
-* ``overlap(depth)``: the plane's delivery worker (``delivery.py``, a daemon thread) keeps up to ``depth`` batches
+* ``sync()``: the eager baseline, as RLlib runs it: each ``ingest()`` writes with a kernel of its own, each
+  ``deliver()`` samples and waits, on the learner's critical path.
+* ``staged()`` (the plane's default): ``deliver()`` samples on demand as under ``sync``, but ``ingest()`` only copies
+  the batch into a host staging area (``staging.py``); the next kernel that runs anyway (the draw) writes it into the
+  rings before it draws, in the same dispatch. One dispatch per iteration for the whole path.
+* ``overlap(depth)`` (stages ingests too): the plane's delivery worker (``delivery.py``, a daemon thread) keeps up to ``depth`` batches
   dispatched and finished while the learner computes; ``deliver()`` hands over the oldest one and wakes the worker
   to draw the next. The dispatch, the rate-limiter and refusal checks, the deferred updates and the wait for the
-  batch all run on the worker's thread, so what ``deliver()`` exposes is a queue pop (a few microseconds) whenever
-  the worker keeps up.
+  batch all run on the worker's thread, and the worker's refill writes the staged ingests, so the learner's thread
+  runs no kernel of the experience path: ``ingest()`` is a copy and ``deliver()`` a queue pop whenever the worker
+  keeps up.
 * ``deferred(k, depth)``: overlap, plus priority updates queued on the host and applied in one coalesced kernel call
   once they are k steps old (from ``update_priorities``, off the delivery's wait); the bound: a batch dispatched at
   step t has seen every update reported at steps <= t - k. Queued updates are validated when they are applied (by
@@ -48,6 +53,7 @@ class Schedule(NamedTuple):
     depth: int  # batches kept in flight (0: sample on demand)
     defer: int  # priority-update staleness bound k (0: apply at once)
     adaptive: bool = False
+    stage: bool = True  # ingests are staged on the host and written by the next kernel (False: a kernel per ingest)
 
     def next_depth(self, depth: int, exposed_s: float, learner_s: float) -> int:
         """The adaptive rule, from smoothed stage times: one more batch in flight while the learner still waits a
@@ -69,7 +75,11 @@ def _positive(value, name: str, where: str, low: int = 1) -> int:
 
 
 def sync() -> Schedule:
-    return Schedule("sync", depth=0, defer=0)
+    return Schedule("sync", depth=0, defer=0, stage=False)
+
+
+def staged() -> Schedule:
+    return Schedule("staged", depth=0, defer=0)
 
 
 def overlap(depth: int = 2) -> Schedule:
@@ -89,10 +99,10 @@ def rebuilt(schedule: Schedule, where: str) -> Schedule:
     """``schedule`` rebuilt through its constructor (``sync``, ``overlap``, ``deferred``, ``adaptive``), so a
     hand-made or recorded ``Schedule`` gets the constructors' checks; ConfigError naming what is wrong."""
     name, depth, defer = schedule.name, schedule.depth, schedule.defer
-    made = {"sync": lambda: sync(), "overlap": lambda: overlap(depth), "deferred": lambda: deferred(defer, depth),
-            "adaptive": lambda: adaptive(depth, defer)}.get(name)
+    made = {"sync": lambda: sync(), "staged": lambda: staged(), "overlap": lambda: overlap(depth),
+            "deferred": lambda: deferred(defer, depth), "adaptive": lambda: adaptive(depth, defer)}.get(name)
     if made is None:
-        raise ConfigError(f"{where}: schedule name must be sync, overlap, deferred or adaptive, got {name!r}")
+        raise ConfigError(f"{where}: schedule name must be sync, staged, overlap, deferred or adaptive, got {name!r}")
     result = made()
     if result != schedule:
         raise ConfigError(f"{where}: {schedule} is not what schedule.{name}() makes ({result}); build it with "

@@ -53,7 +53,9 @@ def test_no_kernel_copies_the_ring_or_a_tree_level(sampler):
     engine = plane.engine
     block = plane.config.layout.pack_host(jax.tree_util.tree_leaves(batch(1000, 1)), 0, 1000, 1024)
     lowered = {"ingest": engine.lowered("ingest", 1024, block, np.int32(1000)),
-               "sample": engine.lowered("sample")}
+               "sample": engine.lowered("sample"),
+               # staged rows written by the draw's kernel: the ring is written, then gathered from, in place
+               "ingest+sample": engine.lowered("ingest+sample", 1024, block, np.int32(1000))}
     if plane.sampler.update is not None:
         update = np.zeros((32, 4), np.int32)  # 32 packed updates (id row, generation, priority bits, valid)
         lowered["update"] = engine.lowered("update", update)
@@ -78,7 +80,8 @@ def test_byte_ring_kernels_do_not_copy_the_ring(sampler):
     engine = plane.engine
     block = layout.to_ring(layout.pack_host(jax.tree_util.tree_leaves(frames), 0, 64, 64))
     lowered = {"ingest": engine.lowered("ingest", 64, block, np.int32(64)),
-               "sample": engine.lowered("sample")}
+               "sample": engine.lowered("sample"),
+               "ingest+sample": engine.lowered("ingest+sample", 64, block, np.int32(64))}
     for name, kernel in lowered.items():
         assert large_copies(kernel.compile().as_text()) == [], name
 

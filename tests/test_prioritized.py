@@ -375,8 +375,11 @@ def test_no_recompilation_across_samples_updates_and_ingests(mesh):
         plane.update_priorities(ids, rng.random(len(ids)) * 10)
     sizes = plane.engine.kernel_cache_sizes()
     assert all(size <= 1 for size in sizes.values()), sizes
-    assert sum(size for name, size in sizes.items() if name.startswith("ingest")) == 1, sizes
-    assert sizes["sample[]"] == 1 and sizes["update"] == 1, sizes
+    # one write bucket and one update bucket, whichever kernel carried them (staged ingests ride the draws)
+    buckets = {part for name in sizes for part in name.split("+") if part.startswith(("ingest[", "update["))}
+    assert len({b for b in buckets if b.startswith("ingest[")}) == 1, sizes
+    assert len({b for b in buckets if b.startswith("update[")}) == 1, sizes
+    assert all(name.endswith("sample") for name in sizes if "update[" in name), sizes  # no update kernel of its own
 
 
 # -- float32 safety through the plane -------------------------------------------------------------------------------
@@ -415,11 +418,12 @@ def test_many_updates_never_yield_empty_or_zero_priority_draws(mesh):
 def test_max_times_sampled_delivers_each_item_that_often_then_refuses(status_reads, shards):
     """Every item is delivered exactly max_times_sampled times (draws past its budget are masked out), then the plane
     has nothing left to draw and says so; a new item makes it sampleable again. The shell learns that the index ran
-    dry from the sample kernels themselves: the status kernel runs once, when the plane knows nothing yet."""
+    dry from the sample kernels themselves: the status kernel runs once, when the plane knows nothing yet (at the
+    first staged ingest)."""
     spec = {"id": jax.ShapeDtypeStruct((), np.int32)}
     plane = ExperienceDataPlane(spec, 16, samplers.prioritized(8, max_times_sampled=2), mesh=default_mesh(shards))
-    plane.ingest({"id": np.arange(16, dtype=np.int32)})
     reads = status_reads(plane)
+    plane.ingest({"id": np.arange(16, dtype=np.int32)})
     delivered = np.zeros(17, int)
     for _ in range(200):
         if not plane.can_sample():

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import resource
+import re
 import threading
 import time
 
@@ -372,7 +373,7 @@ def test_plane_arguments_are_checked_by_name_and_change_nothing(per_plane, tmp_p
                                staleness=limits.Staleness(2**40, "version"))
     from conduit_jax import schedule
 
-    with pytest.raises(cj.ConfigError, match="schedule name must be sync, overlap, deferred or adaptive, got 'x'"):
+    with pytest.raises(cj.ConfigError, match="schedule name must be sync, staged, overlap, deferred or adaptive, got 'x'"):
         cj.ExperienceDataPlane(SPEC, 64, samplers.uniform(8), mesh=cj.default_mesh(1),
                                schedule=schedule.Schedule("x", depth=-1, defer=-1))
     with pytest.raises(cj.ConfigError, match=r"is not what schedule.overlap\(\) makes"):
@@ -427,10 +428,12 @@ def soak(seconds: float, producers: int = 3, devices: int = 1, save_to=None, sav
     plane.ingest(good_batch(32))
     delivery = plane.sample()
     plane.update_priorities(delivery.ids, np.ones(64, np.float32))
-    plane.ingest(good_batch(32))  # applies the queued update in a kernel of its own
+    plane.ingest(good_batch(32))  # staged: the next sample applies the queued update, then writes these rows
     delivery = plane.sample()
     plane.update_priorities(delivery.ids, np.ones(64, np.float32))
     plane.sample()  # applies it inside the sample kernel
+    plane.update_priorities(delivery.ids, np.ones(64, np.float32))
+    plane.stats()  # applies it in a kernel of its own (a read of the state), as the stats at the end do
     compiled_before = plane.compile_counts()
     ingested = [0] * producers
     errors: list[BaseException] = []
@@ -469,6 +472,18 @@ def soak(seconds: float, producers: int = 3, devices: int = 1, save_to=None, sav
     return plane, 320 + sum(ingested), samples, errors, rss_after_warmup, rss_bytes(), compiled_before
 
 
+def assert_nothing_recompiled(before: dict, after: dict) -> None:
+    """No kernel compiled twice, and a kernel compiled since ``before`` differs from one compiled then only in the
+    bucket of staged rows it carries (``engine.staged_rows``): how many items wait for a draw depends on how the
+    producers' threads raced the sampler, and each bucket compiles once."""
+    assert all(count == 1 for count in after.values()), after
+
+    def without_bucket(name):
+        return re.sub(r"\+?ingest\[\d+,packed\]\+?", "+", name).strip("+")
+
+    assert {without_bucket(n) for n in after} <= {without_bucket(n) for n in before} | {""}, (before, after)
+
+
 @pytest.mark.parametrize("seconds", [6.0])
 def test_soak_counts_add_up_memory_is_flat_and_nothing_recompiles(seconds):
     plane, ingested, samples, errors, rss_mid, rss_end, compiled_before = soak(seconds)
@@ -478,7 +493,7 @@ def test_soak_counts_add_up_memory_is_flat_and_nothing_recompiles(seconds):
     assert stats["size"] + stats["items_overwritten"] == ingested
     assert stats["size"] == min(ingested, plane.capacity)
     assert stats["stages"]["sample"]["calls"] == samples + 3 and samples > 10
-    assert plane.compile_counts() == compiled_before
+    assert_nothing_recompiled(compiled_before, plane.compile_counts())
     assert rss_end - rss_mid < 64 * 2**20, f"RSS grew by {(rss_end - rss_mid) / 2**20:.1f} MiB after warm-up"
 
 
@@ -492,7 +507,7 @@ def test_soak_ten_minutes_on_the_mesh_with_periodic_saves(tmp_path):
     stats = plane.stats()
     assert stats["items_inserted"] == ingested == stats["size"] + stats["items_overwritten"]
     assert stats["stages"]["sample"]["calls"] == samples + 3
-    assert plane.compile_counts() == compiled_before
+    assert_nothing_recompiled(compiled_before, plane.compile_counts())
     assert rss_end - rss_mid < 64 * 2**20, f"RSS grew by {(rss_end - rss_mid) / 2**20:.1f} MiB after warm-up"
     plane.save(tmp_path / "ckpt", block=True)
     restored = cj.ExperienceDataPlane.restore(tmp_path / "ckpt", mesh=cj.default_mesh(8))

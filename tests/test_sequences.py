@@ -492,9 +492,9 @@ def test_eligible_windows_are_reported_by_the_kernels(status_reads):
     plane still refuses while no window is complete."""
     plane = make_plane(default_mesh(1), STREAMS * 8, samplers.sequences(8, 3, STREAMS))
     traj = trajectories(seed=0, steps=40, p_terminated=0.0, p_truncated=0.0)
-    ingest_steps(plane, traj, 0, 1)
     reads = status_reads(plane)
-    assert not plane.can_sample()  # the one status read: the plane knew nothing yet
+    ingest_steps(plane, traj, 0, 1)  # the one status read: the plane knew nothing yet (before staging anything)
+    assert not plane.can_sample()
     ingest_steps(plane, traj, 1, 2)
     assert not plane.can_sample()  # 2 steps, no window of 3
     for t in range(2, 40):

@@ -1,0 +1,205 @@
+"""Staged ingest (``staging.py``, ``Engine.ingest(staged=True)``): an ingest is a host copy, and the next kernel writes it.
+
+The contract: a plane that stages behaves exactly as the eager baseline (``schedule.sync()``) call for call (every
+delivery, refusal and the final state bit-identical, for every sampler, on 1 and 8 devices), while an ingest
+dispatches no kernel; staged items count for ``len()``, the rate limiter and a queue's capacity at once; a batch
+larger than the staging area is written one full area per kernel; checkpoints and ``block_until_ready`` include what
+is staged; a prefetching schedule's refill carries the write, so the learner's thread runs no kernel.
+"""
+
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from conduit_jax import ExperienceDataPlane, engine, limits, samplers, schedule
+from conduit_jax.errors import CapacityError, ConduitError, RateLimitedError
+
+SPEC = {"obs": jax.ShapeDtypeStruct((3,), jnp.float32), "g": jax.ShapeDtypeStruct((), jnp.int32),
+        "version": jax.ShapeDtypeStruct((), jnp.int32), "terminated": jax.ShapeDtypeStruct((), jnp.bool_),
+        "truncated": jax.ShapeDtypeStruct((), jnp.bool_)}
+
+
+def batch(start: int, n: int, version: int = 0) -> dict:
+    g = np.arange(start, start + n, dtype=np.int32)
+    return {"obs": np.stack([g * 0.5, -g, g + 0.25], axis=1).astype(np.float32), "g": g,
+            "version": np.full(n, version, np.int32), "terminated": g % 11 == 10, "truncated": g % 13 == 12}
+
+
+def on_mesh(tree, mesh):
+    """``tree`` as device arrays replicated over ``mesh`` (a device batch: written as it is, not staged)."""
+    return jax.device_put(tree, NamedSharding(mesh, P()))
+
+
+CASES = {
+    "uniform": lambda: samplers.uniform(8),
+    "fifo": lambda: samplers.fifo(8),
+    "prioritized": lambda: samplers.prioritized(8, 0.6, 0.4),
+    "prioritized-max-times": lambda: samplers.prioritized(8, 0.6, 0.4, max_times_sampled=2),
+    "epochs": lambda: samplers.epochs(8),
+    "sequences": lambda: samplers.sequences(8, 2, streams=8),
+    "sequences-padded": lambda: samplers.sequences(8, 2, streams=8, pad=True),
+}
+
+
+def _outcome(call):
+    """What a call returned (host copies of a delivery), or the type of what it raised."""
+    try:
+        result = call()
+    except ConduitError as error:
+        return type(error).__name__
+    return None if result is None else [np.asarray(leaf) for leaf in jax.tree_util.tree_leaves(result)]
+
+
+def _script(plane, mesh, has_priorities: bool):
+    """One call sequence with every order of host work the engine keeps: updates before staged rows, an update after
+    staged rows, a device batch between staged ones, a refused ingest, a version switch, reads of the state."""
+    outcomes = []
+    run = lambda call: outcomes.append(_outcome(call))  # noqa: E731
+    run(lambda: plane.ingest(batch(0, 24)))
+    run(lambda: plane.ingest(batch(24, 8)))
+    outcomes.append(len(plane))
+    first = plane.sample()
+    outcomes.append(_outcome(lambda: first))
+    if has_priorities:  # reported before the next ingest: the next kernel applies it, then writes the rows
+        run(lambda: plane.update_priorities(first.ids, np.linspace(0.5, 3.0, 8, dtype=np.float32)))
+    run(lambda: plane.ingest(batch(32, 16)))
+    if has_priorities:  # reported after a staged ingest: those rows are written first
+        run(lambda: plane.update_priorities(first.ids, np.linspace(4.0, 1.0, 8, dtype=np.float32)))
+    run(plane.sample)
+    run(lambda: plane.ingest(on_mesh(batch(48, 8), mesh)))
+    run(lambda: plane.ingest(batch(56, 8)))
+    run(lambda: plane.ingest(batch(64, 40)))  # a queue refuses to overwrite undelivered items; others wrap
+    outcomes.append(len(plane))
+    for _ in range(3):
+        run(plane.sample)
+    run(lambda: plane.ingest(batch(104, 8, version=1)))
+    plane.set_policy_version(1)
+    run(plane.sample)
+    run(lambda: plane.ingest(batch(112, 16, version=1)))
+    outcomes.append(plane.stats()["size"])
+    run(plane.sample)
+    run(lambda: plane.ingest(batch(128, 8, version=1)))
+    outcomes.append([np.asarray(leaf) for leaf in jax.tree_util.tree_leaves(jax.device_get(plane.state))])
+    return outcomes
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_staging_plane_is_call_for_call_the_eager_baseline(mesh, case):
+    """Deliveries, refusals, sizes and the final state are bit-identical under sync and staged, for every sampler."""
+    outcomes = {}
+    dispatches = {}
+    for chosen in (schedule.sync(), schedule.staged()):
+        plane = ExperienceDataPlane(SPEC, 64, CASES[case](), mesh=mesh, seed=5, schedule=chosen,
+                                    staleness=limits.Staleness(1, "version"))
+        outcomes[chosen.name] = _script(plane, mesh, plane.sampler.update is not None)
+        dispatches[chosen.name] = sum(plane.engine.dispatches.values())
+    for index, (eager, staged) in enumerate(zip(outcomes["sync"], outcomes["staged"], strict=True)):
+        if isinstance(eager, list):
+            assert len(eager) == len(staged), index
+            for a, b in zip(eager, staged):
+                np.testing.assert_array_equal(a, b, err_msg=f"outcome {index} of {case}")
+        else:
+            assert eager == staged, (index, eager, staged)
+    assert dispatches["staged"] < dispatches["sync"], dispatches
+
+
+def test_an_ingest_is_a_copy_and_the_next_draw_writes_it(mesh):
+    """Staged ingests dispatch nothing, count at once, and the next sample is one kernel that sees every item."""
+    plane = ExperienceDataPlane(SPEC, 64, samplers.fifo(32), mesh=mesh)
+    plane.ingest(batch(0, 8))
+    before = sum(plane.engine.dispatches.values())
+    for start in range(8, 32, 8):
+        plane.ingest(batch(start, 8))
+    assert len(plane) == 32 and plane.can_sample()
+    assert sum(plane.engine.dispatches.values()) == before  # no kernel: the status is kept on the host
+    delivery = plane.sample()
+    assert sum(plane.engine.dispatches.values()) == before + 1
+    assert sorted(np.asarray(delivery.data["g"]).tolist()) == list(range(32))
+
+
+def test_staged_items_count_for_a_queue_and_the_rate_limiter(mesh):
+    queue = ExperienceDataPlane(SPEC, 16, samplers.fifo(8), mesh=mesh)
+    queue.ingest(batch(0, 16))
+    with pytest.raises(CapacityError, match="holds 16 undelivered items of 16"):
+        queue.ingest(batch(16, 8))
+    assert queue.engine.staging.count == 16 and len(queue) == 16  # the refused batch left nothing behind
+    assert sorted(np.asarray(queue.sample().data["g"]).tolist()) == list(range(8))
+
+    limited = ExperienceDataPlane(SPEC, 64, samplers.uniform(8), mesh=mesh,
+                                  limiter=limits.sample_to_insert_ratio(1.0, 8, 8.0))
+    limited.ingest(batch(0, 8))
+    limited.ingest(batch(8, 8))
+    with pytest.raises(RateLimitedError):  # 16 staged inserts, nothing sampled: past the error buffer
+        limited.ingest(batch(16, 8))
+    assert limited.engine.staging.count == 16
+    limited.sample()
+    limited.ingest(batch(16, 8))
+
+
+def test_a_batch_larger_than_the_staging_area_is_written_one_full_area_per_kernel(mesh):
+    plane = ExperienceDataPlane(SPEC, 128, samplers.fifo(8), mesh=mesh, staging=16)
+    plane.ingest(batch(0, 4))  # the status is read here, before anything is staged
+    start = dict(plane.engine.dispatches)
+    plane.ingest(batch(4, 40))  # fills the area (12 more), written; 16 more, written; 12 stay staged
+    new = {name: count - start.get(name, 0) for name, count in plane.engine.dispatches.items()}
+    rows = engine.staged_rows(16, plane.num_shards, plane.config.shard_capacity)
+    assert {name: count for name, count in new.items() if count} == {f"ingest[{rows},packed]": 2}
+    assert plane.engine.staging.count == 12 and len(plane) == 44
+    got = [sorted(np.asarray(plane.sample().data["g"]).tolist()) for _ in range(5)]
+    assert got == [list(range(8 * i, 8 * i + 8)) for i in range(5)]
+    with pytest.raises(ConduitError, match="staging must be an int in"):
+        ExperienceDataPlane(SPEC, 128, samplers.fifo(8), mesh=mesh, staging=129)
+
+
+def test_save_and_block_until_ready_include_staged_items(mesh, tmp_path):
+    plane = ExperienceDataPlane(SPEC, 64, samplers.uniform(8), mesh=mesh)
+    eager = ExperienceDataPlane(SPEC, 64, samplers.uniform(8), mesh=mesh, schedule=schedule.sync())
+    for target in (plane, eager):
+        target.ingest(batch(0, 20))
+    assert plane.engine.staging.count == 20
+    plane.block_until_ready()
+    assert plane.engine.staging.count == 0
+    plane.ingest(batch(20, 12))
+    eager.ingest(batch(20, 12))
+    plane.save(tmp_path, block=True)
+    restored = ExperienceDataPlane.restore(tmp_path, mesh=mesh)
+    for a, b in zip(jax.tree_util.tree_leaves(jax.device_get(restored.state)),
+                    jax.tree_util.tree_leaves(jax.device_get(eager.state))):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_under_a_prefetching_schedule_the_learners_thread_runs_no_kernel(mesh):
+    """A host-fed loop (ingest, deliver) under overlap: after warm-up every kernel runs on the delivery worker, whose
+    refills write the staged items; nothing compiles any more; every ingested item is delivered once, in order (FIFO).
+    ``in_flight()`` lets the worker finish its refill first (a learner step would), so no deliver() finds the queue
+    empty and draws on its own thread."""
+    learner = threading.get_ident()
+    on_learner: list = []
+
+    class ThreadCounts(dict):
+        def __setitem__(self, name, count):
+            super().__setitem__(name, count)
+            if threading.get_ident() == learner:
+                on_learner.append(name)
+
+    plane = ExperienceDataPlane(SPEC, 256, samplers.fifo(8), mesh=mesh, schedule=schedule.overlap(2))
+    try:
+        delivered = []
+        for step in range(24):
+            if step == 4:  # warmed up: compiled, and the worker keeps batches in flight
+                plane.block_until_ready()
+                compiled = plane.compile_counts()
+                plane.engine.dispatches = ThreadCounts(plane.engine.dispatches)
+            plane.ingest(batch(8 * step, 8))
+            plane.in_flight()
+            delivered += sorted(np.asarray(plane.deliver(timeout=5.0).data["g"]).tolist())
+        assert on_learner == []
+        assert plane.compile_counts() == compiled
+        assert delivered == list(range(8 * 24))
+    finally:
+        plane.close()
