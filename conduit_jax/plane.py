@@ -224,7 +224,9 @@ class ExperienceDataPlane:
 
     # -- sample -------------------------------------------------------------------------------------------------
     def sample(self, *, timeout: Optional[float] = 0.0, recycle: Optional[Delivery] = None) -> Delivery:
-        """One batch: ``Delivery(data, ids, weights, mask)``, sharded over the plane's shard axes.
+        """One batch: ``Delivery(data, ids, weights, mask)``, sharded over the plane's shard axes, drawn now (a
+        prefetching schedule's batches in flight are ``deliver()``'s: for a queue, items in them have left it, and a
+        ``sample()`` that finds too few left says so, naming them).
 
         When the sampler cannot deliver a full batch or the rate limiter refuses, waits up to ``timeout`` seconds
         (None: forever; 0: not at all) for an ingest, then raises ``NotEnoughDataError`` / ``RateLimitedError`` with
@@ -276,6 +278,13 @@ class ExperienceDataPlane:
             what = {"fifo": "undelivered items", "sequences": "eligible windows"}.get(sampler.name, "stored items")
             if sampler.window > 1 and sampler.deliverable is None:  # uniform padded windows: counted in items
                 what = f"stored items ({sampler.window} steps of each of {sampler.streams} streams)"
+            prefetched = len(self._schedule.in_flight) if sampler.consumes else 0
+            if prefetched:  # their items have left the queue: deliver() hands them over
+                return NotEnoughDataError, (
+                    f"sample(): the {sampler.name} sampler needs at least {sampler.min_items} {what} for a batch of "
+                    f"{self.batch_size}, the queue has {status['deliverable']}; {prefetched * self.batch_size} more "
+                    f"wait in {prefetched} batches the {self.schedule.name} schedule prefetched: take them with "
+                    f"deliver(), or ingest more first")
             return NotEnoughDataError, (
                 f"sample(): the {sampler.name} sampler needs at least {sampler.min_items} {what} for a batch of "
                 f"{self.batch_size}, the plane has {status['deliverable']}; ingest more first (can_sample() tells "

@@ -177,3 +177,58 @@ def test_a_kick_due_before_the_nap_ends_wakes_the_worker():
         assert len(polls) == 1 and polls[0] < wake_at
     worker.close()
     assert not worker.alive
+
+
+PREFETCHING = {"overlap": lambda: schedule_lib.overlap(2), "deferred": lambda: schedule_lib.deferred(1, 2),
+               "adaptive": lambda: schedule_lib.adaptive(3), "staged": schedule_lib.staged, "sync": schedule_lib.sync}
+
+
+@pytest.mark.parametrize("name", sorted(PREFETCHING))
+def test_a_mix_of_sample_and_deliver_keeps_fifo_exactly_once_and_epochs_once_per_epoch(mesh, name):
+    """Any mix of sample() and deliver(): a queue delivers every item exactly once; when its items wait in prefetched
+    batches, sample() (and can_sample()) refuse and name them; an epoch delivers each item once."""
+    from conduit_jax.errors import NotEnoughDataError
+
+    queue = ExperienceDataPlane(SPEC, 256, samplers.fifo(16), schedule=PREFETCHING[name](), mesh=mesh)
+    epochs = ExperienceDataPlane(SPEC, 64, samplers.epochs(16), schedule=PREFETCHING[name](), mesh=mesh)
+    try:
+        got = []
+        queue.ingest({"x": np.arange(48, dtype=np.int32)})
+        got += np.asarray(queue.deliver().data["x"]).tolist()
+        queue.in_flight()  # the worker has drawn what it will: the other 32 items, where it prefetches
+        if queue.prefetch_depth:
+            assert not queue.can_sample()
+            with pytest.raises(NotEnoughDataError, match=r"\d+ more wait in \d+ batches .* take them with deliver"):
+                queue.sample()
+        for start in range(48, 48 + 16 * 6, 16):
+            queue.ingest({"x": np.arange(start, start + 16, dtype=np.int32)})
+            for take in (queue.sample, queue.deliver) if start % 32 else (queue.deliver, queue.sample):
+                try:
+                    got += np.asarray(take().data["x"]).tolist()
+                except NotEnoughDataError:
+                    pass
+        for take in (queue.deliver, queue.sample):  # what is left, in flight and in the queue
+            while True:
+                try:
+                    got += np.asarray(take().data["x"]).tolist()
+                except NotEnoughDataError:
+                    break
+        assert sorted(got) == list(range(48 + 16 * 6))  # each exactly once
+
+        epochs.ingest({"x": np.arange(64, dtype=np.int32)})
+        seen = []
+        for step in range(8):  # two epochs of four minibatches
+            take = epochs.sample if step % 3 == 1 else epochs.deliver
+            seen.append(np.asarray(take().data["x"]).tolist())
+        # every draw so far: the ones returned and the ones still in flight (a worker's draws are handed over later
+        # than the calls in between, so the epochs are counted, not cut in order)
+        seen += [np.asarray(d.data["x"]).tolist() for d in epochs.in_flight()]
+        counts = np.bincount([x for batch in seen for x in batch], minlength=64)
+        full = len(seen) // 4
+        assert set(counts.tolist()) <= {full, full + 1} and counts.sum() == 16 * len(seen)
+        if not epochs.prefetch_depth:
+            for epoch in (seen[:4], seen[4:]):
+                assert sorted(x for batch in epoch for x in batch) == list(range(64))
+    finally:
+        queue.close()
+        epochs.close()
