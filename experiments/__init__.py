@@ -29,13 +29,16 @@ import numpy as np
 
 from conduit_jax import schedule as schedule_lib
 
-SCHEDULES = ("sync", "overlap", "deferred", "adaptive")
+SCHEDULES = ("sync", "staged", "overlap", "deferred", "adaptive")
 
 
 def make_schedule(name: str, depth: int = 2, k: int = 2) -> schedule_lib.Schedule:
-    """The policy behind ``--schedule``: sync | overlap(depth) | deferred(k, depth) | adaptive(max_depth, k)."""
+    """The policy behind ``--schedule``: sync | staged | overlap(depth) | deferred(k, depth) | adaptive(max_depth,
+    k)."""
     if name == "sync":
         return schedule_lib.sync()
+    if name == "staged":
+        return schedule_lib.staged()
     if name == "overlap":
         return schedule_lib.overlap(depth)
     if name == "deferred":

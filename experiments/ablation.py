@@ -25,8 +25,8 @@ apart and not used as a baseline: the learners here replicate their networks ove
 moves the learner step onto 8 emulated devices (its learner-step column shows the cost); its exposed latency (the wait
 for the batch only) is the placement's own effect.
 
-What is measured per run (as in ``experiments/scheduling.py``, whose runner this reuses): exposed latency (median
-wait inside ``plane.deliver()``), iteration latency (median wall time per learner step), the learner step alone on a
+What is measured per run (as in ``experiments/scheduling.py``, whose runner this reuses): exposed latency (the
+learner thread's ingest + deliver + priority update per batch), iteration latency (median wall time per learner step), the learner step alone on a
 ready batch, and a per-step breakdown of the plane's stages. Runs are repeated in interleaved rounds (round r uses
 seed + r) and every timing is the median over rounds. The learner step is the same program in the four variants, so
 its median change across them is this host's measurement noise: a change smaller than that (or than 5%, or than the
@@ -66,7 +66,7 @@ VARIANTS = {  # name: (placement, scheduled?)
 EXTRA = {"default_mesh": ("default", False)}
 SCHEDULED = {"dqn": "deferred", "ppo": "overlap"}
 HOST_KIND = "unpinned_host"  # the baseline's host memory (experiments/gpu.py uses pinned_host on a GPU)
-TIMED = ("exposed_us", "exposed_p99_us", "iteration_us", "learner_compute_us", "sample_dispatch_us", "ingest_us",
+TIMED = ("exposed_us", "deliver_p99_us", "iteration_us", "learner_compute_us", "sample_dispatch_us", "ingest_us",
          "update_us")
 NOISE_FLOOR = 0.05  # changes smaller than this (or than the rounds' own spread) are called "no measurable difference"
 

@@ -2,8 +2,10 @@
 
 For each workload (a learner from experiments/ with fixed settings and seed) the same run is repeated under every
 delivery policy (sync, overlap, deferred, adaptive); from each run we take
-  * exposed latency: the median time the learner waited inside ``plane.deliver()`` for its batch (the plane's
-    ``stages['exposed']``, wall clock around dispatch and ``block_until_ready``);
+  * exposed latency: the whole experience path on the learner's thread per delivered batch: its time in
+    ``plane.ingest``, ``plane.deliver()`` and ``plane.update_priorities`` (``plane.stats()['exposed_path']``, wall
+    clock around each call), mean per batch; the wait in ``deliver()`` alone (median) stays as a detail
+    (``deliver_us``);
   * iteration latency: the median wall time of one learner iteration (deliver + learner step + whatever the loop does
     between: acting, ingest, priority updates), measured between iterations without extra blocking;
   * the reduction of exposed latency against ``sync`` in %;
@@ -36,8 +38,8 @@ import numpy as np
 from experiments import SCHEDULES, dqn, ppo
 
 RESULTS = Path(__file__).resolve().parent / "results"
-GOAL = 97.0  # % reduction of exposed latency vs sync the issue asks for when the learner step >= experience path
-GOALS = {"dqn": 97.0, "dqn_large_learner": 97.0, "ppo": 90.0}  # issue 23: per workload
+GOAL = 95.0  # % reduction of the exposed path vs sync (issue 39: the whole path, ingest + deliver + update)
+GOALS = {"dqn": 95.0, "dqn_large_learner": 95.0, "ppo": 95.0}
 ITERATION_GOAL = 0.9  # issue 23: the iteration shorter than sync's by at least this fraction of sync's exposed time
 
 
@@ -54,8 +56,8 @@ def workloads(quick: bool) -> dict[str, tuple[Callable, Any]]:
     }
 
 
-TIMED = ("exposed_us", "exposed_p99_us", "exposed_mean_us", "exposed_first_us", "iteration_us", "learner_compute_us", "sample_dispatch_us", "ingest_us",
-         "update_us", "learner_span_us")
+TIMED = ("exposed_us", "deliver_us", "deliver_p99_us", "deliver_mean_us", "exposed_first_us", "iteration_us",
+         "learner_compute_us", "sample_dispatch_us", "ingest_us", "update_us", "learner_span_us")
 
 
 def _one_run(name: str, make_train, base, policy: str, seed: int, trace: Optional[Path]) -> dict:
@@ -70,11 +72,13 @@ def _one_run(name: str, make_train, base, policy: str, seed: int, trace: Optiona
         trace.parent.mkdir(parents=True, exist_ok=True)
         train.plane.timeline.chrome_trace(str(trace))
     stages = result["stages"]
-    exposed = stages.get("exposed", {})  # none for the fused path: sampling is part of the learner step
+    deliver = stages.get("exposed", {})  # none for the fused path: sampling is part of the learner step
+    path = result["plane_stats"]["exposed_path"]  # ingest + deliver + update on the learner's thread
     return {
         "workload": name, "schedule": policy,
-        "exposed_us": exposed.get("median_us"), "exposed_p99_us": exposed.get("p99_us"),
-        "exposed_mean_us": exposed.get("mean_us"), "exposed_first_us": _first_after_rollout(train.plane, config),
+        "exposed_us": path["per_batch_us"] if deliver else None,
+        "deliver_us": deliver.get("median_us"), "deliver_p99_us": deliver.get("p99_us"),
+        "deliver_mean_us": deliver.get("mean_us"), "exposed_first_us": _first_after_rollout(train.plane, config),
         "iteration_us": result["iteration_us"], "learner_compute_us": result["learner_compute_us"],
         # host time of one sample() call: dispatching a batch, which deliver() does for the refill
         "sample_dispatch_us": stages.get("sample", {}).get("median_us"),
@@ -113,7 +117,7 @@ def run(quick: bool, seed: int = 0, rounds: int = 1, trace_path: Optional[Path] 
                       f"iteration {row['iteration_us']:>7.0f} us  return {row['train_return']:>6.1f}  "
                       f"({row['wall_s']:.1f} s)", flush=True)
     rows = [median_over_rounds(per_round, TIMED) for per_round in runs.values()]
-    report = {"claim": "exposed experience-path latency >= 97% lower than sync when the learner step >= the "
+    report = {"claim": "exposed experience path (ingest + deliver + update) >= 95% lower than sync when the learner step >= the "
                        "experience path", "quick": quick, "seed": seed, "rounds": rounds,
               "environment": _environment(), "rows": rows}
     return summarize(report)
@@ -186,7 +190,8 @@ def format_table(report: dict) -> str:
                      f"{'yes' if r['learner_ge_experience_path'] else 'no':>13} "
                      f"{goal + ' ' + str(int(r.get('goal_pct', GOAL))) + '%' if goal != '-' else '-':>8} "
                      f"{r.get('iteration_gain_of_sync_exposed', 0.0):>13.2f}")
-    lines.append("exposed: median wait in deliver(); dispatch: host time of one sample() call (deliver() makes one for "
+    lines.append("exposed: the learner thread's ingest + deliver() + update_priorities per batch (mean); dispatch: host "
+                 "time of one sample() call (deliver() makes one for "
                  "the refill, on the critical path); learner: the learner step alone on a ready batch "
                  "(median over the workload's runs); exp.path: "
                  "exposed under sync; fused: plane.sample_fn() inside the learner's jit (no deliver(), so no "
@@ -210,7 +215,7 @@ def verdict(report: dict) -> list[str]:
         first = "" if best.get("exposed_first_us") is None else \
             (f"; the first deliver() after a rollout exposes {best['exposed_first_us']:.0f} us (sync "
              f"{sync['exposed_first_us']:.0f} us)")
-        out.append(f"{workload}: sync exposes {sync['exposed_us']:.0f} us per deliver() (learner step "
+        out.append(f"{workload}: sync exposes {sync['exposed_us']:.0f} us per batch (ingest + deliver + update; learner step "
                    f"{rows[0]['learner_step_us']:.0f} us); best exposed cut {best['schedule']} "
                    f"{best['exposed_reduction_pct']:.1f}% ({best['exposed_us']:.1f} us left; goal {goal:.0f}% "
                    f"{'reached' if best['exposed_reduction_pct'] >= goal else 'NOT reached'}){first}; best iteration "
