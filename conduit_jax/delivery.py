@@ -266,7 +266,8 @@ class Scheduler:
         self.last_delivered_leaves = None  # its leaves, when the worker listed them (the recycle check reads them)
         self._last_end: Optional[float] = None  # when the last deliver() returned
         self._smoothed = {"exposed": 0.0, "learner": 0.0}  # exponential averages (s) the adaptive policy reads
-        # (start, end) of each deliver() not yet in the timeline: the worker records them off the learner's thread
+        # (start, end, thread) of each deliver() not yet in the timeline: the worker records them off the learner's
+        # thread, as the learner's thread's spans
         self._handed_over: collections.deque = collections.deque()
         self.worker = DeliveryWorker(lock, self.poll, "conduit-delivery", self.wake_at) if schedule.depth else None
 
@@ -383,7 +384,7 @@ class Scheduler:
         """The end of a deliver() (under the lock): note what it returns and when, and let the worker refill."""
         self.last_delivered = delivery
         self.last_delivered_leaves = batch.leaves if delivery is batch.delivery else None
-        self._handed_over.append((start, time.perf_counter()))
+        self._handed_over.append((start, time.perf_counter(), threading.get_ident()))
         if self.worker is None:
             self._record_handovers()
         else:
@@ -401,11 +402,11 @@ class Scheduler:
         """Put the deliver() calls made since the last call into the timeline ("learner": from the end of one to
         the start of the next; "exposed": each call) and the adaptive policy's averages. Under the lock."""
         while self._handed_over:
-            start, end = self._handed_over.popleft()
+            start, end, thread = self._handed_over.popleft()
             if self._last_end is not None:
-                self.timeline.record("learner", self._last_end, start)
+                self.timeline.record("learner", self._last_end, start, thread)
                 self._smooth("learner", start - self._last_end)
-            self.timeline.record("exposed", start, end)
+            self.timeline.record("exposed", start, end, thread)
             self._smooth("exposed", end - start)
             self._last_end = end
 

@@ -13,7 +13,7 @@ import collections
 import json
 import threading
 import time
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 
@@ -27,9 +27,11 @@ class Timeline:
         self._counts: collections.Counter = collections.Counter()
         self._lock = threading.Lock()
 
-    def record(self, stage: str, start: float, end: float) -> None:
+    def record(self, stage: str, start: float, end: float, thread: Optional[int] = None) -> None:
+        """A span of ``stage``, on ``thread`` (an id from ``threading.get_ident``; default: the calling thread)."""
         with self._lock:
-            self._spans.append((stage, start - self._origin, end - self._origin, threading.get_ident()))
+            self._spans.append((stage, start - self._origin, end - self._origin,
+                                threading.get_ident() if thread is None else thread))
             self._durations[stage].append(end - start)
             self._counts[stage] += 1
 
@@ -48,23 +50,30 @@ class Timeline:
                               "total_s": float(values.sum() / 1e6)}
         return out
 
-    def exposed_path(self) -> dict[str, float]:
-        """The experience path on the learner's thread, from the kept spans: its ``ingest``, ``update`` and
-        ``exposed`` (``deliver()``) spans, or where nothing was delivered its ``ingest``, ``update`` and ``sample``
-        spans. The learner's thread is whichever called ``deliver()`` (every thread when none did). Returns the
-        total seconds, the batches, the mean per batch in microseconds and each part's total seconds."""
+    def exposed_path(self) -> dict[str, Any]:
+        """The experience path on the learner's thread per delivered batch, from the kept spans: the thread's
+        ``ingest`` and ``update`` spans since its previous batch plus the ``exposed`` span (``deliver()``) that
+        handed the batch over; where nothing was delivered, ``sample`` spans mark the batches. The learner's thread
+        is whichever called ``deliver()`` (every thread when none did). Returns the median and mean per batch in
+        microseconds over the batches after the first (the first carries everything ingested before learning
+        started, and compilations), the batch count and each part's total seconds."""
         with self._lock:
-            spans = list(self._spans)
+            spans = sorted(self._spans, key=lambda span: span[2])
         learner = {tid for stage, _, _, tid in spans if stage == "exposed"}
         draw = "exposed" if learner else "sample"
         parts = {"ingest": 0.0, "update": 0.0, draw: 0.0}
-        batches = 0
+        per_batch, pending = [], 0.0
         for stage, start, end, tid in spans:
-            if stage in parts and (not learner or tid in learner):
-                parts[stage] += end - start
-                batches += stage == draw
-        total = sum(parts.values())
-        return {"total_s": total, "batches": batches, "per_batch_us": total / batches * 1e6 if batches else 0.0,
+            if stage not in parts or (learner and tid not in learner):
+                continue
+            parts[stage] += end - start
+            pending += end - start
+            if stage == draw:
+                per_batch.append(pending)
+                pending = 0.0
+        steady = np.asarray(per_batch[1:] or per_batch) * 1e6
+        return {"median_us": float(np.median(steady)) if steady.size else 0.0,
+                "mean_us": float(steady.mean()) if steady.size else 0.0, "batches": len(per_batch),
                 "parts_s": parts}
 
     def chrome_trace(self, path: Optional[str] = None) -> dict:

@@ -4,7 +4,7 @@ For each workload (a learner from experiments/ with fixed settings and seed) the
 delivery policy (sync, overlap, deferred, adaptive); from each run we take
   * exposed latency: the whole experience path on the learner's thread per delivered batch: its time in
     ``plane.ingest``, ``plane.deliver()`` and ``plane.update_priorities`` (``plane.stats()['exposed_path']``, wall
-    clock around each call), mean per batch; the wait in ``deliver()`` alone (median) stays as a detail
+    clock around each call), median per batch; the wait in ``deliver()`` alone (median) stays as a detail
     (``deliver_us``);
   * iteration latency: the median wall time of one learner iteration (deliver + learner step + whatever the loop does
     between: acting, ingest, priority updates), measured between iterations without extra blocking;
@@ -76,7 +76,7 @@ def _one_run(name: str, make_train, base, policy: str, seed: int, trace: Optiona
     path = result["plane_stats"]["exposed_path"]  # ingest + deliver + update on the learner's thread
     return {
         "workload": name, "schedule": policy,
-        "exposed_us": path["per_batch_us"] if deliver else None,
+        "exposed_us": path["median_us"] if deliver else None,
         "deliver_us": deliver.get("median_us"), "deliver_p99_us": deliver.get("p99_us"),
         "deliver_mean_us": deliver.get("mean_us"), "exposed_first_us": _first_after_rollout(train.plane, config),
         "iteration_us": result["iteration_us"], "learner_compute_us": result["learner_compute_us"],
@@ -190,7 +190,7 @@ def format_table(report: dict) -> str:
                      f"{'yes' if r['learner_ge_experience_path'] else 'no':>13} "
                      f"{goal + ' ' + str(int(r.get('goal_pct', GOAL))) + '%' if goal != '-' else '-':>8} "
                      f"{r.get('iteration_gain_of_sync_exposed', 0.0):>13.2f}")
-    lines.append("exposed: the learner thread's ingest + deliver() + update_priorities per batch (mean); dispatch: host "
+    lines.append("exposed: the learner thread's ingest + deliver() + update_priorities per batch (median); dispatch: host "
                  "time of one sample() call (deliver() makes one for "
                  "the refill, on the critical path); learner: the learner step alone on a ready batch "
                  "(median over the workload's runs); exp.path: "
