@@ -168,14 +168,9 @@ class RowLayout(NamedTuple):
             return self._pack_small(leaves, start, count, out)
         out_bytes = out.view(np.uint8)
         copies = []  # (destination, source) of each leaf's items; (destination, None): bytes to zero
-        for leaf, slot, dtype in zip(leaves, self.slots, self.spec.dtypes):
-            if slot.elems == 0:
-                continue
-            x = np.asarray(leaf)[start:start + count]
-            if x.dtype != dtype:
-                x = x.astype(dtype)  # 64-bit input admitted by cast=True
-            width = slot.elems * dtype.itemsize
-            items = _item_view(np.ascontiguousarray(x).reshape(count, -1).view(np.uint8), width)
+        for slot, raw in self._leaf_bytes(leaves, start, count):
+            width = raw.shape[1]
+            items = _item_view(raw, width)
             if width < 4 and width in _UNSIGNED:  # one sub-word element: its word, zero-extended
                 copies.append((out[:count, slot.offset], items))
                 continue
@@ -191,19 +186,25 @@ class RowLayout(NamedTuple):
                 destination[low:low + step] = 0 if source is None else source[low:low + step]
         return out
 
-    def _pack_small(self, leaves, start: int, count: int, out: np.ndarray) -> np.ndarray:
-        """``pack_host`` for a batch of a few KiB: every leaf's bytes (and zero bytes after a leaf that ends inside a
-        word) side by side in one ``np.concatenate`` into ``out``. For a few rows the per-leaf copies' call overhead
-        is the cost, and one call halves it; for large batches the blocked copies above are faster."""
-        parts = []
+    def _leaf_bytes(self, leaves, start: int, count: int):
+        """(slot, the bytes of items [start, start + count) as uint8[count, elems * itemsize]) of each leaf that has
+        elements, in the spec's dtype."""
         for leaf, slot, dtype in zip(leaves, self.slots, self.spec.dtypes):
             if slot.elems == 0:
                 continue
             x = np.asarray(leaf)[start:start + count]
             if x.dtype != dtype:
                 x = x.astype(dtype)  # 64-bit input admitted by cast=True
-            parts.append(np.ascontiguousarray(x).reshape(count, -1).view(np.uint8))
-            pad = 4 * slot.words - slot.elems * dtype.itemsize
+            yield slot, np.ascontiguousarray(x).reshape(count, -1).view(np.uint8)
+
+    def _pack_small(self, leaves, start: int, count: int, out: np.ndarray) -> np.ndarray:
+        """``pack_host`` for a batch of a few KiB: every leaf's bytes (and zero bytes after a leaf that ends inside a
+        word) side by side in one ``np.concatenate`` into ``out``. For a few rows the per-leaf copies' call overhead
+        is the cost, and one call halves it; for large batches the blocked copies above are faster."""
+        parts = []
+        for slot, raw in self._leaf_bytes(leaves, start, count):
+            parts.append(raw)
+            pad = 4 * slot.words - raw.shape[1]
             if pad:  # pack pads with zeros (a 1- or 2-byte leaf: its word zero-extended, little-endian)
                 parts.append(np.zeros((count, pad), np.uint8))
         if parts:
