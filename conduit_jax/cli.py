@@ -260,30 +260,66 @@ def _experiment_arguments(parser: argparse.ArgumentParser) -> None:
                      "to experiments/results/; `conduit experiment report` writes experiments/REPORT.md from them.")
 
 
-def _recorded_runs(results: Path) -> dict:
+def _recorded_runs(results: Path, quick: bool = False) -> dict:
     try:
-        data = json.loads((results / "runs.json").read_text())
+        data = json.loads((results / ("runs_quick.json" if quick else "runs.json")).read_text())
         return data if isinstance(data, dict) else {}
     except (OSError, ValueError):
         return {}
 
 
+def _recorded_wall(path: Path) -> float | None:
+    """The ``wall_s`` a result file records for its run, if it does."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    wall = data.get("wall_s") if isinstance(data, dict) else None
+    return float(wall) if isinstance(wall, (int, float)) and not isinstance(wall, bool) else None
+
+
+def _run_time(experiment, results: Path | None, quick: bool) -> str:
+    """The wall time of ``experiment``'s last recorded run (``quick``: of its last short run): what `conduit
+    experiment` recorded in ``results/runs.json`` (``runs_quick.json``), else the ``wall_s`` of the result file the run
+    wrote. An entry with one run per algorithm shows each; "not recorded" when no run of it is on record."""
+    if results is None:
+        return "-"
+    runs, suffix = _recorded_runs(results, quick), "_quick" if quick else ""
+    parts = ([(f"{experiment.name} --algo {a}", f"rllib_compare_{a}", a) for a in experiment.algos]
+             or [(experiment.name, experiment.outputs[0] if experiment.outputs else None, "")])
+    shown = []
+    for key, stem, label in parts:
+        record = runs.get(key)
+        wall = record.get("wall_s") if isinstance(record, dict) else None
+        if isinstance(wall, (int, float)) and not isinstance(wall, bool):
+            when = f"run {str(record.get('date', '?'))[:10]}"
+        elif stem is not None and (wall := _recorded_wall(results / f"{stem}{suffix}.json")) is not None:
+            when = f"{stem}{suffix}.json"
+        else:
+            continue
+        shown.append((label, wall, when))
+    if not shown:
+        return "not recorded"
+    if len(parts) == 1:
+        label, wall, when = shown[0]
+        return f"{wall:.0f} s ({when})"
+    return ", ".join(f"{label} {wall:.0f} s" for label, wall, _ in shown)
+
+
 def _format_experiments(experiments: Sequence, results: Path | None) -> str:
-    """The ``--list`` table of ``experiments`` (the catalogue's entries), with the last full run recorded in
-    ``results/runs.json`` in place of the documented time when there is one."""
-    runs = _recorded_runs(results) if results is not None else {}
-    lines = [f"{'NAME':<12} {'CLAIM':<6} {'FULL RUN':<26} {'--quick':<16} WHAT"]
-    for e in experiments:
-        recorded = [r for key, r in runs.items() if key.split()[0] == e.name and isinstance(r.get("wall_s"), (int, float))]
-        full = e.full_time
-        if recorded:
-            last = max(recorded, key=lambda r: r.get("date", ""))
-            full = f"{last['wall_s']:.0f} s (run {str(last.get('date', '?'))[:10]})"
-        lines.append(f"{e.name:<12} {e.claim:<6} {full:<26} {e.quick_time:<16} {e.help}")
+    """The ``--list`` table of ``experiments`` (the catalogue's entries) with the run times on record in
+    ``results`` (see ``_run_time``); the catalogue itself types none."""
+    rows = [("NAME", "CLAIM", "LAST FULL RUN", "LAST --quick RUN")]
+    rows += [(e.name, e.claim, _run_time(e, results, False), _run_time(e, results, True)) for e in experiments]
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    helps = ["WHAT"] + [e.help for e in experiments]
+    lines = [" ".join(cell.ljust(width) for cell, width in zip(row, widths)) + " " + what
+             for row, what in zip(rows, helps)]
     lines.append("")
-    lines.append("FULL RUN: measured on this project's 2-core host (the last recorded run when there is one; est. = "
-                 "estimated, not yet measured). conduit experiment NAME [--quick] [script options]; "
-                 "conduit experiment report regenerates experiments/REPORT.md")
+    lines.append("Run times: wall seconds of the last run on record on the machine that made the results (runs.json, "
+                 "runs_quick.json or the result file in experiments/results/); not recorded: no run of it there. "
+                 "conduit experiment NAME [--quick] [script options]; conduit experiment report regenerates "
+                 "experiments/REPORT.md")
     return "\n".join(lines)
 
 

@@ -1,8 +1,9 @@
 """The experiment catalogue: every experiment ``conduit experiment`` lists and runs, in one place.
 
-Each entry names a script of this folder (``python -m experiments.<module>``), the paper claim it answers, its run
-times and what it needs. ``conduit experiment --list`` prints this table (with the last recorded full run time from
-``results/runs.json`` when there is one); ``conduit experiment NAME [--quick] [script options]`` runs an entry.
+Each entry names a script of this folder (``python -m experiments.<module>``), the paper claim it answers, the
+result files it writes and what it needs. It types no run times: ``conduit experiment --list`` prints this table with
+the wall time of each entry's last recorded run (``results/runs.json``, ``runs_quick.json`` for ``--quick``, or the
+``wall_s`` its result file records); ``conduit experiment NAME [--quick] [script options]`` runs an entry.
 To add an experiment: write ``experiments/<module>.py`` with a ``main(argv)``, then add an ``Experiment`` here.
 
 This module is data only (it imports nothing but ``typing``; the experiments themselves are imported only to run).
@@ -22,9 +23,8 @@ class Experiment(NamedTuple):
     module: str
     claim: str  # the paper claim it answers ("all": every one; "-": none, a tool or a runtime demonstration)
     help: str
-    full_time: str  # wall time of the full run as measured (`--list` prefers the last recorded one)
-    quick_time: str
-    outputs: tuple[str, ...] = ()  # result stems in experiments/results/ (quick runs add "_quick")
+    outputs: tuple[str, ...] = ()  # result stems in experiments/results/ (quick runs add "_quick"); the first one's
+    # wall_s is the whole run's
     needs: tuple[str, ...] = ()  # modules beyond the core the run imports (an extra)
     devices: int | None = None  # emulated CPU devices to ask XLA for before JAX starts
     algos: tuple[str, ...] = ()  # rllib_compare: one run per algorithm unless --algo names one
@@ -38,42 +38,36 @@ EXPERIMENTS: tuple[Experiment, ...] = (
     Experiment("breakdown", "rllib_compare", "1, 2",
                "RLlib native vs Conduit, per-stage iteration breakdown and experience-path share (DQN, PPO; "
                "--algo dqn|ppo|sac for one)",
-               "DQN 12, PPO 7 min", "~1 min per algo", needs=_RLLIB,
-               algos=("dqn", "ppo")),
+               needs=_RLLIB, algos=("dqn", "ppo")),
     Experiment("scheduling", "scheduling", "2",
                "delivery schedules (sync/overlap/deferred/adaptive/fused) on the JAX learners: exposed and iteration "
-               "latency", "3.2 min", "~2 min", outputs=("scheduling",),
-               needs=("matplotlib",)),
+               "latency", outputs=("scheduling",), needs=("matplotlib",)),
     Experiment("ablation", "ablation", "2",
                "baseline / + placement / + scheduling / full on the JAX learners (DQN + PER, PPO)",
-               "6.6 min (3 rounds)", "~1.5 min", outputs=("ablation",), needs=("matplotlib",), devices=8),
+               outputs=("ablation",), needs=("matplotlib",), devices=8),
     Experiment("placement", "placement_sweep", "3",
                "delivery latency vs batch bytes per memory kind and shard count; the planner's choice and its "
-               "predicted cost beside the measured one", "45 s", "~10 s", outputs=("placement_sweep",),
+               "predicted cost beside the measured one", outputs=("placement_sweep",),
                needs=("matplotlib",), devices=8),
     Experiment("scaling", "scaling", "4",
                "1 -> 8 emulated devices and 1 -> 4 Ray shard actors measured here, the cost model up to 1,024 GPUs",
-               "3.6 min", "~2 min", outputs=("scaling",), needs=("ray", "matplotlib")),
+               outputs=("scaling",), needs=("ray", "matplotlib")),
     Experiment("convergence", "rllib_compare", "5",
                "learning curves over 3 seeds with and without Conduit, Welch's t-test of final returns (DQN, PPO, "
-               "SAC; --algo for one)", "12/7/19 min (DQN/PPO/SAC)", "~1 min per algo", needs=_RLLIB,
-               algos=("dqn", "ppo", "sac")),
+               "SAC; --algo for one)", needs=_RLLIB, algos=("dqn", "ppo", "sac")),
     Experiment("gpu", "gpu", "6",
                "on one NVIDIA GPU (H200): the JAX learners' breakdown and the placement sweep in device / pinned_host "
                "/ unpinned_host memory (--dry-run: small, on CPU)",
-               "< 8 min on an H200 (est.)", "70-110 s (CPU)",
-               outputs=("gpu_breakdown", "gpu_placement_sweep", "gpu_run"), needs=("matplotlib",),
+               outputs=("gpu_run", "gpu_breakdown", "gpu_placement_sweep"), needs=("matplotlib",),
                quick_flags=("--quick", "--dry-run")),
     Experiment("rllib_schedules", "rllib_schedules", "2",
                "RLlib's off-policy loop through the buffers' API: native PER vs Conduit under sync / overlap / "
                "deferred / adaptive, 1 and 4 learner updates per env round, exposed and iteration time",
-               "~2 min", "~20 s", outputs=("rllib_schedules",), needs=_RLLIB[:3]),
+               outputs=("rllib_schedules",), needs=_RLLIB[:3]),
     Experiment("jitted", "jitted", "-",
                "a fully jitted learner: env step, add, sample, priority update and learner step in one lax.scan "
                "(--algo dqn|dqn-per|ppo, --buffer conduit|flashbax); prints a JSON summary, --json FILE keeps it",
-               # measured: 6.5 / 7.2 / 7.9 s (DQN / DQN + PER / PPO), 3.6-5.5 s of it compiling; --quick: 10k env
-               # steps (the script has no --quick of its own), 5.5-7.2 s
-               "6.5-8 s per algo", "~6 s", quick_flags=(), quick_args=("--total-env-steps", "10000")),
-    Experiment("report", "report", "all", "regenerate experiments/REPORT.md from the JSON in experiments/results/",
-               "~1 s", "~1 s"),
+               # --quick: 10k env steps (the script has no --quick of its own)
+               quick_flags=(), quick_args=("--total-env-steps", "10000")),
+    Experiment("report", "report", "all", "regenerate experiments/REPORT.md from the JSON in experiments/results/"),
 )
