@@ -83,7 +83,7 @@ class ExperienceDataPlane:
         if state is not None:
             self.engine.state = state
         self.timeline = metrics.Timeline()  # wall-clock spans per stage (see metrics.py)
-        self._lock = threading.RLock()  # guards state; held by every call and by the delivery worker's draws
+        self._lock = _CountedLock()  # guards state; held by every call and by the delivery worker's draws
         self._changed = threading.Condition(self._lock)  # notified after every ingest and sample
         # the schedule's host side (batches in flight, deferred updates, the delivery worker); it reaches the plane
         # through weak references, so an unclosed plane is freed as usual and its worker stops
@@ -187,10 +187,10 @@ class ExperienceDataPlane:
             self._changed.notify_all()
             self._schedule.ingested()  # a rollout's first minibatches are drawn as it is ingested
         self.timeline.record("ingest", start, time.perf_counter())
-        if threading.active_count() > 1:
+        if self._lock.waiting:
             # a staged ingest is a copy, so a producer thread in a loop of them would take the lock again before a
-            # sampler waiting for it runs (CPython's locks are not fair; a kernel of its own used to release the GIL):
-            # let a waiting thread in
+            # thread blocked on it runs (CPython's locks are not fair; a kernel of its own used to release the GIL):
+            # let it in
             time.sleep(0)
 
     def can_ingest(self, n: int = 1) -> bool:
@@ -485,6 +485,38 @@ class ExperienceDataPlane:
                    exposed_path=self.timeline.exposed_path())
         return out
 
+
+
+class _CountedLock:
+    """A re-entrant lock (``threading.RLock``, usable under ``threading.Condition``) that tells how many threads are
+    blocked acquiring it (``waiting``; list appends and pops are atomic under the GIL, so the count never drifts)."""
+
+    def __init__(self):
+        self._lock = threading.RLock()
+        self._blocked: list = []
+        self._release_save, self._acquire_restore, self._is_owned = (
+            self._lock._release_save, self._lock._acquire_restore, self._lock._is_owned)
+        self.release = self._lock.release
+
+    @property
+    def waiting(self) -> int:
+        return len(self._blocked)
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        if self._lock.acquire(False):
+            return True
+        if not blocking:
+            return False
+        self._blocked.append(None)
+        try:
+            return self._lock.acquire(True, timeout)
+        finally:
+            self._blocked.pop()
+
+    __enter__ = acquire
+
+    def __exit__(self, *exc) -> None:
+        self._lock.release()
 
 
 def _update_headroom(schedule: schedule_lib.Schedule) -> int:
