@@ -4,18 +4,17 @@ A replay kernel on XLA:CPU is a handful of small fusions (a few hundred KB touch
 fixed cost. Two settings of the CPU client decide much of that cost, and both are fixed when the client starts:
 
 * **The intra-op thread pool.** XLA:CPU sizes it to the CPUs the process may run on and then splits loops over it and
-  runs independent thunks on it; each hand-off to a pool thread and the wait for it at the end cost tens of
-  microseconds on a small host. Measured here (2 vCPUs, jax 0.10.2), a uniform sample of 256 rows from a 1M-row ring
-  took 66-72 us with the default 2-thread pool and 20-22 us with one thread; in the benchmarks (runs one after
-  another, ratios within each run) W1's ``plane.sample()`` took 0.94-0.97x NumPy's time with one thread and 1.73x
-  with the default pool, W2's PER step 0.75-0.77x cpprb's against 0.93x. This is the XLA counterpart of
-  ``torch.set_num_threads(1)``. Calls that move megabytes are the exception: two threads copy them faster (W3's
-  Atari batches of 256 reached 79-86% of memcpy with the default pool, 50-62% with one), so keep XLA's pool there
+  runs independent thunks on it; on a small host each hand-off to a pool thread and the wait for it at the end cost
+  more than the small kernel's work they spread, so one thread is faster for replay-sized calls (the benchmarks
+  compare both: ``python -m benchmarks.run --xla-threads default`` against the per-workload settings). This is the
+  XLA counterpart of ``torch.set_num_threads(1)``. Calls that move megabytes are the exception: several threads copy
+  them faster (W3's Atari batches, ``benchmarks.common.WORKLOAD_XLA_THREADS``), so keep XLA's pool there
   (``intra_op_threads=None``). No XLA flag sets the pool size, so ``configure_cpu`` starts the client while the
   calling thread may run on ``intra_op_threads`` CPUs only, then gives every thread of the process its CPUs back: the
   pool keeps its size, nothing stays pinned.
 * **Async dispatch** (``jax_cpu_enable_async_dispatch``): off, each call runs in the calling thread instead of being
-  queued; multi-kernel samplers ran 1.3-1.7x faster in single-stream loops here. Keep it on
+  queued, which saves the queueing of every kernel of a multi-kernel sampler in a loop that waits for each batch.
+  Keep it on
   (``async_dispatch=True``) for the prefetching schedules (``schedule.overlap``/``deferred``/``adaptive``): with it
   off the delivery worker computes each prefetched batch while holding the plane's lock, so the learner's next
   call waits for it (the plane warns, ``prefetch_is_synchronous``).
@@ -24,10 +23,10 @@ A third setting belongs to the C library, not to JAX, and can change at any time
 
 * **Freed memory kept for reuse** (glibc's ``mallopt``, ``retain_freed_memory``): by default glibc returns a freed
   block of a few MB to the OS (``mmap`` above its adaptive threshold, trimming the heap top above 128 KB), so the next
-  batch of that size lands on fresh pages and pays a fault per 4 KB page. A 14 MB batch of 256 Atari transitions took
-  ~2,100 faults and 5.0 ms per ``sample()`` here, and 35 faults and 1.45 ms with blocks up to
-  ``RETAINED_MALLOC["mmap_threshold"]`` served from the heap and up to ``RETAINED_MALLOC["trim_threshold"]`` of free
-  heap kept (two runs of one script, a 20,000-item ring; NumPy's fancy-index batches went from 4.9 to 2.3 ms).
+  batch of that size lands on fresh pages and pays a fault per 4 KB page, which for a batch of megabytes can cost
+  more than the copy itself. With blocks up to ``RETAINED_MALLOC["mmap_threshold"]`` served from the heap and up to
+  ``RETAINED_MALLOC["trim_threshold"]`` of free heap kept, such a batch reuses pages that are mapped already (the
+  benchmarks record the faults per call: ``page_faults_per_call`` in ``benchmarks/results/w3.jsonl``).
   ``sample(recycle=)`` avoids the faults too, by reusing a finished batch's buffers. The setting is process-wide:
   NumPy, torch and any other library in the process reuse their freed blocks as well.
 
@@ -139,28 +138,25 @@ def prefetch_is_synchronous(devices) -> bool:
             and not jax.config.read("jax_cpu_enable_async_dispatch"))
 
 
-# XLA:CPU compiles with LLVM at its default level (2), which fully unrolls the copy loop of a leaf of up to ~64 4-byte
-# elements per item into scalar loads and stores (~13 GB/s here, against 35-40 GB/s for rows of 84 words and more,
-# whose loop is vectorised). At level 1 the loop stays a loop and is vectorised: a gather of 4,096 rows of 64 words
-# took 69 us instead of 184. Measured on the plane's kernels (one process, interleaved, 2026-12-01): a W4 minibatch
-# of 4,096 took 256 us instead of 319 and a W5 batch of 64 windows 195 us instead of 227, while W1's ingest took 188
-# us instead of 150 (its scatter loses more than it gains). So only the delivery kernels get it.
+# XLA:CPU compiles with LLVM at its default level (2), which fully unrolls the copy loop of a narrow leaf (up to ~64
+# 4-byte elements per item) into scalar loads and stores, where the loop of a wider row is vectorised. At level
+# 1 the loop stays a loop and is vectorised, so the gathers of the delivery kernels run faster; an ingest's scatter
+# loses more than it gains at level 1. So only the delivery kernels get it.
 CPU_DELIVERY_COMPILER_OPTIONS = {"xla_backend_optimization_level": 1}
 
 
 def delivery_compiler_options(devices) -> dict:
     """The XLA compiler options of the plane's delivery kernels (sample, with or without pending priority updates,
     into fresh or recycled buffers) on ``devices``: ``CPU_DELIVERY_COMPILER_OPTIONS`` where every device is a CPU,
-    else none. A learner's own jit around ``sample_fn`` compiles with the learner's options, and should: at level 1
-    the 16 minibatch gathers of a W4 PPO iteration drawn in one jit took 1.33 ms instead of 1.83, but a PPO update
-    step (MLP 64-64-64-5, batch 4,096, Adam) took 2.90 ms instead of 2.75, a net loss over an iteration's 16
-    updates (one process, interleaved, 2026-12-02)."""
+    else none. A learner's own jit around ``sample_fn`` compiles with the learner's options, and should: level 1
+    speeds up the minibatch gathers drawn in that jit but slows the learner's update step (a W4 PPO iteration lost
+    more in its updates than it gained in its gathers)."""
     return dict(CPU_DELIVERY_COMPILER_OPTIONS) if {d.platform for d in devices} == {"cpu"} else {}
 
 
 @functools.cache
 def _trace_state_clean():
-    """JAX's check that no trace is under way (no public equivalent in JAX 0.10; 0.3 us a call), imported once: the
+    """JAX's check that no trace is under way (no public equivalent in JAX 0.10; a cheap call), imported once: the
     plane's per-call entry points run it, and an import statement there cost more than the check."""
     from jax._src.core import trace_state_clean
 
