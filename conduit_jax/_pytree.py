@@ -31,8 +31,8 @@ def _field_names(cls) -> frozenset:
 
 def replace(obj, **changes):
     """``dataclasses.replace`` for the state types: the fields are copied instead of re-running the frozen
-    ``__init__`` (a class with a ``__post_init__`` still goes through it). 0.6 us instead of 3 us; the shell swaps a
-    state's storage twice per kernel call."""
+    ``__init__`` (a class with a ``__post_init__`` still goes through it), which costs less than the checks the
+    frozen ``__init__`` repeats; the shell swaps a state's storage twice per kernel call."""
     if hasattr(obj, "__post_init__"):
         return dataclasses.replace(obj, **changes)
     unknown = changes.keys() - _field_names(type(obj))
@@ -54,8 +54,8 @@ class LeafBundle:
 
     Each array that goes into or comes out of a jitted call costs its dispatch a few microseconds on XLA:CPU
     (argument handling, donation bookkeeping, a new output array, the deallocation of the donated one), and the replay
-    state holds 5-9 scalars beside its ring and trees. In one process, with them bundled, W1's sample kernel took 93
-    instead of 113 us and its ingest kernel 62 instead of 89 us. The pure core never sees the bundle: a kernel
+    state holds 5-9 scalars beside its ring and trees, so bundling them takes that cost off every call of the sample
+    and ingest kernels. The pure core never sees the bundle: a kernel
     ``join``s it into the state first and ``split``s its result.
 
     A leaf is small when its elements are 4 bytes wide, it has at most ``SMALL_LEAF_ELEMENTS`` of them, and its

@@ -15,11 +15,11 @@ Saving is asynchronous. The plane donates its state buffers on every ingest, so 
 the live arrays: ``save`` takes the plane's lock only to copy the state, and a background thread writes the copy
 (CRC-32 of each array, then a synchronous orbax save inside that thread) while ingest and sample keep running. On CPU
 devices the copy is a memcpy of every shard into host buffers allocated and page-faulted before the lock is taken
-(~50-100 ms per GB); on accelerators it is one jitted on-device copy, dispatched asynchronously. ``SaveHandle``
+(``benchmarks/results/checkpoint.jsonl`` records how long the lock is held); on accelerators it is one jitted on-device copy, dispatched asynchronously. ``SaveHandle``
 reports ``blocked_s`` (how long the lock was held) and ``total_s``. Saves to one directory run one after another in
 call order. The copy doubles the state's memory until it is written. Arrays are written uncompressed in chunks of at
-most 32 MiB (``compress=True``: zstd, ~5x slower for float rows, which it shrinks by ~8%); tensorstore fsyncs every
-file.
+most 32 MiB (``compress=True``: zstd, which costs much more write time than it saves bytes on float rows);
+tensorstore fsyncs every file.
 
 Atomicity. Orbax writes a step into ``<k>.orbax-checkpoint-tmp-<timestamp>/`` and renames it to ``<k>/`` once
 complete; a process killed mid-save leaves only the tmp folder, which restore never reads (and the next save to that
@@ -94,7 +94,7 @@ _ROWS = "storage.rows"
 _DELTA = "delta.rows"
 _CHUNK_BYTES = 32 << 20
 # How a full save copies the state under the plane's lock: None picks by platform (CPU devices: memcpy into host
-# buffers, ~50 ms/GB; accelerators: one jitted on-device copy, dispatched asynchronously, written back in the
+# buffers; accelerators: one jitted on-device copy, dispatched asynchronously, written back in the
 # background). Tests set it to exercise the accelerator path on CPU.
 _SNAPSHOT_ON_HOST: Optional[bool] = None
 
@@ -289,8 +289,8 @@ def _write(handle: SaveHandle, plane, snapshot, meta, previous, max_to_keep, com
         import orbax.checkpoint as ocp
         options = ocp.CheckpointManagerOptions(max_to_keep=None, enable_async_checkpointing=False, create=True,
                                                cleanup_tmp_directories=True)
-        # chunks of <= 32 MiB let tensorstore write (and compress) in parallel; zstd costs ~5x the write time for
-        # float rows and saves ~8% of their bytes, so it is off unless asked for
+        # chunks of <= 32 MiB let tensorstore write (and compress) in parallel; zstd costs several times the write
+        # time for float rows and saves little of their bytes, so it is off unless asked for
         save_args = {name: ocp.SaveArgs(chunk_byte_size=_CHUNK_BYTES) for name in arrays}
         handlers = {_ARRAYS: ocp.PyTreeCheckpointHandler(use_compression=compress),
                     _META: ocp.JsonCheckpointHandler()}
@@ -485,7 +485,7 @@ def _copy_to_host(state, buffers: dict[str, np.ndarray]) -> dict[str, np.ndarray
 
 def _crc32(array) -> int:
     """CRC-32 of an array's bytes in C order (a ``jax.Array`` sharded on its first axis is read shard by shard, so
-    the value does not depend on the sharding). zlib releases the GIL while it runs (~0.2 s per GB)."""
+    the value does not depend on the sharding). zlib releases the GIL while it runs."""
     if isinstance(array, np.ndarray):
         return zlib.crc32(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
     if array.ndim > 0:
