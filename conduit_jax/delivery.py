@@ -276,9 +276,10 @@ class Scheduler:
         """An ingest made items deliverable. Right after a policy-version switch with nothing in flight (an
         on-policy rollout: the learner asks for the epoch's first minibatch next, with nothing of its own to do
         meanwhile) that minibatch is drawn here, on the ingesting thread, and the worker draws the rest after the
-        first deliver(). A worker woken for it raced that deliver() for the lock and the GIL: the first deliver()
-        after a rollout exposed 2-3x sync's time. Otherwise the worker looks for work, if it may find some (a batch
-        to draw: with all ``depth`` in flight there is none, and waking it would only take the GIL)."""
+        first deliver(). A worker woken for it raced that deliver() for the lock and the GIL, and the first
+        deliver() after a rollout exposed more time than under sync. Otherwise the worker looks for work, if it may
+        find some (a batch to draw: with all ``depth`` in flight there is none, and waking it would only take the
+        GIL)."""
         if self.worker is None:
             return
         if not self.one_ahead:
@@ -298,9 +299,9 @@ class Scheduler:
         self.epoch += 1
         # until the next deliver() at most one batch is drawn ahead, not depth: after an on-policy rollout the learner
         # asks for the first minibatch at once, and a second dispatch then only holds the GIL and the lock it waits
-        # for (PPO-like probe, A/B in one process: first deliver 453 -> 300 us median, sync 222; later ones
-        # unchanged). That one batch is not the worker's either: the rollout's ingest draws it (``ingested``), or
-        # the next deliver() does; a worker woken here raced both for the lock and the GIL
+        # for (in a PPO-like probe it lengthened the first deliver() and left the later ones as they were). That one
+        # batch is not the worker's either: the rollout's ingest draws it (``ingested``), or the next deliver()
+        # does; a worker woken here raced both for the lock and the GIL
         self.one_ahead = True
 
     def holds(self, delivery) -> bool:
@@ -390,7 +391,7 @@ class Scheduler:
         else:
             # the refill waits a tenth of a learner step (at most REFILL_DELAY_MAX): woken at once, the worker's
             # dispatch took the GIL from the learner's thread in the instant it waits for this batch and
-            # dispatches its step (the demo's exposed median: 402 -> 91 us, async dispatch on 2 cores)
+            # dispatches its step, which lengthened the demo's exposed path (async dispatch on a 2-core host)
             self.worker.kick(delay=self._refill_delay())
         return delivery
 

@@ -278,7 +278,7 @@ class Engine:
         sampler = config.sampler
         # a sampler whose deliverable count is an index (windows or items with mass), not arithmetic on calls: each
         # kernel that can change it also returns it, and the host reads that scalar only when a check needs it, by
-        # then long computed (a status kernel of its own cost ~100 us on every sample)
+        # then long computed (a status kernel of its own would add a dispatch and a wait to every sample)
         self.reports_deliverable = sampler.deliverable is not None and not sampler.consumes
         # XLA:CPU runs the collectives of an emulated multi-device mesh in-process; with many multi-device programs
         # queued on few cores one device's part can miss the rendezvous and XLA aborts the process (seen here after
@@ -586,7 +586,7 @@ class Engine:
         packed = pack_updates(taken)
         # padded (rows marked invalid) to the largest bucket so far, the first one to update_headroom times its size:
         # how many steps' updates one kernel coalesces can depend on thread timing (a delivery worker), and each new
-        # bucket compiles a kernel (~0.5 s here) in the middle of a run
+        # bucket compiles a kernel in the middle of a run
         rows = max(packed.shape[0], self._update_rows or packed.shape[0] * self.update_headroom)
         self._update_rows = rows
         return packed if rows == packed.shape[0] else np.concatenate(
