@@ -212,8 +212,8 @@ class EpochState:
 
 def feistel_permute(x, n, key, rounds: int = 4):
     """A keyed bijection of [0, n) applied to int32 ``x`` (all < n): a balanced Feistel network on the smallest
-    even-bit domain >= n, cycle-walking values that land outside [0, n). O(1) state, no sort: a sort of 16k
-    elements costs ~8 ms on this CPU, this ~64 us."""
+    even-bit domain >= n, cycle-walking values that land outside [0, n). O(1) state, no sort: a few integer rounds
+    per element instead of an O(n log n) sort of the whole domain."""
     n = n.astype(jnp.uint32)
     bits = 32 - lax.clz(jnp.maximum(n, 2) - 1)  # bits to hold n-1
     half = (bits + 1) // 2
@@ -441,7 +441,7 @@ def _priority_sampler(name: str, batch_size: int, alpha: float, beta, eps: float
 
     def retire(state: PriorityState, stale):
         """Zero the mass of every slot where ``stale`` (bool[shard capacity]): never drawn again until rewritten. The
-        tree is rebuilt from its leaves, O(capacity); refreshing every leaf's ancestors took ~63 ms at 1M slots."""
+        tree is rebuilt from its leaves, O(capacity), which is cheaper than refreshing every leaf's ancestors."""
         leaves = state.levels[-1]
         stale = jnp.pad(stale, (0, leaves.shape[0] - stale.shape[0]))  # leaves past the ring hold 0 already
         return replace(state, levels=sumtree.from_leaves(jnp.where(stale, 0.0, leaves), len(state.levels)))
@@ -623,7 +623,7 @@ def sequences(batch_size: int, length: int, streams: int, *, burn_in: int = 0, p
         # (Two runs, one after the other, made XLA copy every level of the tree on each ingest.)
         # run entry j: the window start of new row j (j < k), the slot of new row j - back_steps (j >= back_steps)
         # (the first window start is computed as a scalar: slicing it out of a [k, window] array of window slots
-        # made XLA materialise the whole array, ~20 us of integer remainders per ingest)
+        # made XLA materialise the whole array, integer remainders for every slot on each ingest)
         no_step = jnp.zeros((back_steps,), jnp.bool_)
         values = jnp.concatenate([jnp.where(eligible, value, 0.0), jnp.zeros((back_steps,), jnp.float32)])
         valid = jnp.concatenate([view.valid, no_step]) | jnp.concatenate([no_step, view.valid])

@@ -80,9 +80,8 @@ class RowLayout(NamedTuple):
     def ring_dtype(self) -> np.dtype:
         """The element type the ring stores its rows in: uint8 when 1-byte leaves make at least half of a row (image
         frames), else uint32. The bytes are the same either way. XLA:CPU reads a 1-byte leaf out of uint32 words by a
-        shift and a mask per byte, which kept a frame gather at ~11 GB/s per thread; from a uint8 ring it is a plain
-        copy (W3 kernels alone: 15-22% less time per batch). A 4-byte leaf read from a uint8 ring pays that price
-        instead, so it is paid by whichever kind of leaf is the minority."""
+        shift and a mask per byte, which slowed a frame gather; from a uint8 ring it is a plain copy. A 4-byte leaf
+        read from a uint8 ring pays that price instead, so it is paid by whichever kind of leaf is the minority."""
         byte_elems = sum(slot.elems for slot in self.slots if slot.per_word == 4)
         return np.dtype(np.uint8) if 2 * byte_elems >= self.row_bytes else np.dtype(np.uint32)
 
@@ -153,16 +152,14 @@ class RowLayout(NamedTuple):
         ``aligned_empty``), else a fresh array. One array crosses to the device instead of one per leaf, and the
         caller's buffers are never aliased.
 
-        Each item's bytes of a leaf move as one element (``_item_view``): a strided copy of 1,000 W1 observations
-        (156 B each) took 9.1 us as 39 words per row and 5.9 us as one 156-byte element, a 16-byte action 5.6 and
-        2.4 us. A leaf of one or two bytes per item is zero-extended into its word in the same pass (pack pads with
-        zeros); other leaves whose bytes end inside a word get those bytes zeroed.
+        Each item's bytes of a leaf move as one element (``_item_view``): NumPy's strided copy moves one wide
+        element per item faster than the same bytes as several words per row. A leaf of one or two bytes per item is
+        zero-extended into its word in the same pass (pack pads with zeros); other leaves whose bytes end inside a
+        word get those bytes zeroed.
 
         The rows are written in blocks of ``PACK_BLOCK_BYTES``, every leaf of a block before the next: written leaf by
-        leaf over the whole batch, each leaf's strided writes fetched every row again from L3 or DRAM. A W4 rollout
-        (16,384 rows of 276 B, cold sources, a reused output) took 412-621 us leaf by leaf and 290-545 us in blocks of
-        512 KiB (1 MiB blocks: 377-400, 256 KiB: 472-605), 100 Atari frames 396-531 against 349-439 us; a batch of one
-        block (W1's 1,000 rows) is unchanged."""
+        leaf over the whole batch, each leaf's strided writes fetched every row again from L3 or DRAM. Blocks keep the
+        rows of a block in cache while every leaf is written; a batch of one block is packed as before."""
         out = aligned_empty((rows, self.row_words)) if out is None else out
         if count * self.row_bytes <= SMALL_PACK_BYTES:
             return self._pack_small(leaves, start, count, out)
@@ -246,7 +243,7 @@ class RowLayout(NamedTuple):
             words = lax.slice_in_dim(rows, slot.offset, slot.offset + slot.words, axis=1)
             return self._unpack_leaf(_take(words, at), index, offset=0)
         # 1- and 2-byte leaves are gathered from the ring viewed as elements of their own width: gathering their
-        # words and splitting those inside the gather made XLA:CPU copy byte by byte (4.6x slower for 28 KB frames)
+        # words and splitting those inside the gather made XLA:CPU copy byte by byte, far slower for frames
         elements = lax.bitcast_convert_type(rows, jnp.uint8 if slot.per_word == 4 else jnp.uint16)
         elements = elements.reshape(rows.shape[0], rows.shape[1] * slot.per_word)
         first = slot.offset * slot.per_word
@@ -372,8 +369,8 @@ def write(rows, cursor, laps, block, count, streams: int = 1):
     One row scatter into the donated ring (wide rows of a byte ring: a loop of row copies, see below): item i goes to
     the row of slot ``(cursor + i) % capacity``, and the padding rows past ``count`` get an out-of-range index, which
     the scatter drops, so they never touch stored items. No branch: a conditional around the write (fits / wraps) made
-    XLA:CPU copy the taken branch's result and cost 2.4x the scatter, and a masked dynamic-update-slice reads the old
-    rows back only to keep them.
+    XLA:CPU copy the taken branch's result and cost more than the scatter itself, and a masked dynamic-update-slice
+    reads the old rows back only to keep them.
 
     A ring in host memory is written in place on the host (``where_rows_live``): only ``block`` crosses.
     """
@@ -387,7 +384,7 @@ def _write(rows, cursor, block, count, streams: int):
     capacity, k = rows.shape[0], block.shape[0]
     assert k <= capacity, "the shell splits batches larger than a shard's ring"
     if rows.dtype == jnp.uint8 and rows.shape[1] >= ROW_COPY_MIN_BYTES:
-        # XLA:CPU scatters a uint8 ring byte by byte (W3: 1.6x the time of the same rows as uint32 words); a loop
+        # XLA:CPU scatters a uint8 ring byte by byte (slower than the same rows as uint32 words); a loop
         # of whole-row copies runs at the speed of the word scatter and writes only the ``count`` valid rows
         def copy_row(i, rows):
             row = ring_row((cursor + i) % capacity, streams, capacity)
