@@ -40,7 +40,7 @@ def total(levels) -> jax.Array:
 def child_sums(children):
     """Row sums of ``children`` [..., K], added left to right: the same float32 value as the last running sum of
     ``pick``, so a parent always equals the total its descent sees. K explicit adds fuse into one loop; a reduce over
-    a minor axis of 16 compiled to a kernel ~3x slower on XLA:CPU."""
+    a minor axis of 16 compiled to a slower kernel on XLA:CPU."""
     total = children[..., 0]
     for j in range(1, children.shape[-1]):
         total = total + children[..., j]
@@ -58,8 +58,7 @@ def pick(block, target):
     moves the choice one child on (its count, its mass, the running sum up to it), a chain of selects that XLA
     fuses into a few loops; its three results are then materialised (``_materialised``). Stacking the running sums
     into a [..., K] array for one compare-and-reduce instead made XLA:CPU materialise each sum in a kernel of its
-    own: ~25 kernels per level, and a 256-draw descent of a 1M-slot tree took 105-114 us against 51-58 us without
-    them (one pool thread; 122 vs 86 us on XLA's default pool)."""
+    own, dozens of kernels per level, and a descent slowed accordingly."""
     arity = block.shape[-1]
     masses = [block[..., j] for j in range(arity)]
     running = [masses[0]]
@@ -94,8 +93,8 @@ def descend(levels, targets, arity: int = ARITY):
 def _materialised(x):
     """``x``, computed in a kernel of its own. XLA fuses a cheap elementwise producer into every consumer, so the
     chain of selects of ``pick`` ran again for each element its consumers read: 16 per draw in the next level's block
-    read, 84 per draw in a W1 row gather, and nested across levels (a W2 PER step took 520-590 us against 320-340
-    with the stacked pick, and 255-285 us once materialised). ``lax.optimization_barrier`` is gone by the time
+    read, 84 per draw in a W1 row gather, and nested across levels, which made a PER step slower than the stacked
+    pick; materialised, it is faster than both. ``lax.optimization_barrier`` is gone by the time
     XLA:CPU fuses; a reduction is not fused into its consumers, and the max of ``x`` and the lowest value is ``x``."""
     lowest = jnp.iinfo(x.dtype).min if jnp.issubdtype(x.dtype, jnp.integer) else -jnp.inf
     return jnp.max(jnp.stack([x, jnp.full_like(x, lowest)]), axis=0)
@@ -147,7 +146,7 @@ def set_run(levels, first, values, valid, num_slots: int, arity: int = ARITY):
     k, leaves = values.shape[0], levels[-1]
     window = min(k, leaves.shape[0])
     # the second window starts at 0, written as min(first, 0) (first >= 0): an update at an offset XLA can see is a
-    # constant gets rewritten into an op over the whole level, ~8x slower here
+    # constant gets rewritten into an op over the whole level, far slower than the slice
     starts = [jnp.clip(first, 0, leaves.shape[0] - window)] + ([jnp.minimum(first, 0)] if k > 1 else [])
     for start in starts:
         slot = start + lax.iota(jnp.int32, window)
