@@ -17,10 +17,11 @@ at once) or a count of latency-bound operations (random rows, dispatches). Terms
             queues; plus a copy to the learner devices when storage is not co-located with them;
   update    priority updates: ids to every shard, one block rewrite per tree level per id.
 
-What this machine taught (ARCHITECTURE.md, and ``benchmarks/bench_placement.py``): on XLA:CPU the dispatch terms
-dominate small batches (a call's floor ~7.5 us, each kernel ~2 us), random rows cost ~100 ns each (DRAM latency), and
-the emulated multi-device mesh adds ~60 us per device to every call on a 2-core host, so one shard beats eight there.
-On GPUs the same formulas are dominated by link bandwidths instead.
+What this machine taught (ARCHITECTURE.md, and ``benchmarks/bench_placement.py``, whose predictions and
+measurements are in ``benchmarks/results/placement.jsonl``): on XLA:CPU the dispatch terms dominate small batches (a
+call's fixed floor plus a cost per kernel: ``topology.CPU_TIMING``), random rows cost about a DRAM latency each, and
+the emulated multi-device mesh adds a cost per device to every call on a host with few cores, so one shard beats
+eight there. On GPUs the same formulas are dominated by link bandwidths instead.
 """
 
 from __future__ import annotations
@@ -42,8 +43,8 @@ TREE_ARITY = 16  # sumtree.ARITY
 ID_BYTES = 12  # a delivered row travels with its (row, generation) id and, for prioritized draws, a probability
 CONTROL_BYTES = 64  # cursors, laps and the replicated scalars of one shard (nominal)
 # Kernels per sum-tree level (pick / take_along_axis / gather of the next block; for updates: gather the K children,
-# sum, scatter). Calibrated on this host: a prioritized sample over 1M items took ~140 us against ~44 us for uniform
-# (6 levels: ~16 us per level with 256 cached block reads), an update of 256 ids ~120 us.
+# sum, scatter), fit to the development host's prioritized samples and updates against uniform ones
+# (``benchmarks/bench_placement.py``).
 SAMPLE_KERNELS_PER_LEVEL = 5
 UPDATE_KERNELS_PER_LEVEL = 4
 UPDATE_ARRAYS = 3  # ids, priorities, valid: three host -> device puts per update

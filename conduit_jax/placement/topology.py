@@ -422,36 +422,37 @@ def id_ranges(ids) -> str:
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# This host: figures measured on the 2-core development machine (ARCHITECTURE.md, "Kernel design on CPU", and the
-# placement sweep in benchmarks/bench_placement.py). detect() re-measures what it can on whatever machine it runs.
+# This host: a preset fit to the 2-core development machine (ARCHITECTURE.md, "Kernel design on CPU", and the
+# placement sweep in benchmarks/bench_placement.py, whose measurements are in benchmarks/results/placement.jsonl).
+# detect() re-measures what it can on whatever machine it runs.
 # ------------------------------------------------------------------------------------------------------------------
 CPU_TIMING = Timing(
-    launch=7.5 * US,        # "a scalar jit's floor is ~7.5 us" (ARCHITECTURE.md); detect() measures 5-8 us
-    kernel=2.0 * US,        # "each top-level fusion or thunk costs ~1-3 us" (ARCHITECTURE.md)
-    # The emulated mesh on 2 cores (fit to the placement sweep, benchmarks/bench_placement.py): a shard-local gather
-    # over S devices took ~80 + 45*S us against ~20-35 us on one device -- the doc's "sharded sampling was 4-7x slower
-    # than the same sampler on one device"; a psum_scatter of the batch added ~43 us + ~24 us per ring step.
+    launch=7.5 * US,        # a scalar jit's floor (ARCHITECTURE.md); detect() measures it
+    kernel=2.0 * US,        # each top-level fusion or thunk (ARCHITECTURE.md)
+    # The emulated mesh on 2 cores, fit to the placement sweep (benchmarks/bench_placement.py): a shard-local gather
+    # over S devices costs a fixed part plus a part per device, far above one device's gather; a psum_scatter of the
+    # batch adds a fixed part plus one per ring step (the "peer" link below).
     mesh_launch=45 * US,
     mesh_sync=70 * US,
     collective=43 * US,
-    write_bandwidth=3 * GB,  # "XLA:CPU's dynamic-update-slice writes at ~3 GB/s" (ARCHITECTURE.md)
-    write_row=50 * NS,      # replay.ingest of 1,024 host-packed 96 B rows: 33-160 us here from run to run (any
-    #                         memory kind); this sits in the middle
+    write_bandwidth=3 * GB,  # XLA:CPU's dynamic-update-slice (ARCHITECTURE.md)
+    write_row=50 * NS,      # replay.ingest of host-packed 96 B rows varied widely from run to run (any memory
+    #                         kind); this sits in the middle of that range
     put=10 * US,            # device_put of a small NumPy array; aliased, so size does not matter
     cores=2,
     cache_bytes=32 << 20,   # L3 of this EPYC host (lscpu)
     cache_row_time=15 * NS,
 )
-# One random 96 B row from a 100 MB ring inside a gather: ~40-70 ns in a process with 8 emulated devices (the loads
-# of a gather overlap: DRAM latency ~100 ns over 2-3 misses in flight); the doc's "~130-150 ns per random row" is the
-# per-leaf case with more kernels around it. A process with one CPU device gathers about 2x faster (~25-30 ns).
+# One random 96 B row from a 100 MB ring inside a gather, in a process with 8 emulated devices: below one DRAM
+# latency, since the loads of a gather overlap (a few misses in flight); ARCHITECTURE.md's per-row figure is the
+# per-leaf case with more kernels around it. A process with one CPU device gathers faster.
 CPU_ROW_TIME = 60 * NS
-CPU_MEMCPY = 8 * GB         # np.copyto of 64 MB on this host: ~8 GB/s (benchmarks/common.MemcpyMeter measures it too)
+CPU_MEMCPY = 8 * GB         # np.copyto of 64 MB on this host (benchmarks/common.MemcpyMeter measures it in each run)
 
 
 def _cpu_links(memcpy: float) -> dict[str, Link]:
     # On XLA:CPU all three kinds are the same DRAM: moving a pinned_host array to 'device' inside jit is elided (no
-    # copy op in the compiled HLO), while an eager device_put between kinds is a real memcpy (~16 GB/s both ways).
+    # copy op in the compiled HLO), while an eager device_put between kinds is a real memcpy (both ways).
     return {
         "local": Link("local", memcpy, 0.0),
         "peer": Link("peer", memcpy, 24 * US, aggregate=memcpy),  # one ring step of an emulated collective
