@@ -5,7 +5,7 @@ THIS IS A CORRECTNESS CONFIGURATION ON THIS HOST. The devices are XLA:CPU device
 ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` on a 2-core machine: every "device" shares the same two cores
 and the same DRAM, so a sharded plane only adds work (per-shard kernels, the all-gather of shard sizes, the
 reduce-scatter that deals the batch) and no parallelism. The table measures that overhead, not how Conduit scales on
-real multi-device hosts; ARCHITECTURE.md expects 4-7x slower sampling on 8 emulated devices.
+real multi-device hosts; ARCHITECTURE.md expects sampling on 8 emulated devices to be several times slower.
 
 The device count must be set before JAX starts: ``run()`` re-runs this module in a subprocess with the flag when the
 current process has fewer than 8 devices (``python -m benchmarks.run --only w6`` sets it in-process instead).

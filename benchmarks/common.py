@@ -43,10 +43,9 @@ _runtime: Optional[dict] = None  # what configure_runtime applied (recorded in e
 XLA_THREADS_ENV = "CONDUIT_BENCH_XLA_THREADS"  # run.py --xla-threads sets it; a workload's subprocess inherits it
 # XLA:CPU intra-op pool per workload when nobody chose one: one thread (replay-sized kernels: a hand-off to a second
 # pool thread costs more than it saves), except where a call moves megabytes, which two threads copy faster: W3's
-# frames (b256, batch buffers recycled: 79-86% of memcpy with XLA's own pool of 2 threads here, 50-62% with one).
-# W4 moved to one thread once its kernels took the state's scalars as one vector: in nine bench_w4 runs of
-# 2026-12-02 its headline iteration was 1.02-1.30x NumPy's time with one thread (six runs) and 1.50-2.02x with
-# XLA's pool (three), the fused draw 1.31-1.77x against 1.20-2.33x, a minibatch ~120-190 against ~250 us
+# frames (b256, batch buffers recycled). W4 moved to one thread once its kernels took the state's scalars as one
+# vector, when its iteration came out faster with one thread than with XLA's pool in runs one after another
+# (``run.py --xla-threads`` compares the settings).
 WORKLOAD_XLA_THREADS = {"w3": "default"}
 
 
@@ -62,13 +61,13 @@ def xla_threads_setting(workload: Optional[str] = None) -> str:
 
 def configure_runtime(workload: Optional[str] = None) -> dict:
     """Dispatch settings for latency-bound single-stream loops on this 2-core host (ARCHITECTURE.md), through
-    ``conduit_jax.runtime.configure_cpu``: async dispatch off (multi-kernel samplers 1.3-1.7x faster here), the
+    ``conduit_jax.runtime.configure_cpu``: async dispatch off (multi-kernel samplers skip the queue), the
     XLA:CPU intra-op pool of ``xla_threads_setting(workload)`` (see ``WORKLOAD_XLA_THREADS``), for Conduit and the
     other JAX contenders alike, and glibc's malloc keeping freed blocks, for every contender in the process. torch
     (imported lazily by the TorchRL peer) is pinned to one thread in ``peers.import_torch``: with its default 2
-    threads on 2 shared cores it is 25-60x slower. Both JAX settings are
-    fixed when the backend starts, so the first call decides (call it first thing in ``main``); when a backend already
-    runs (a caller started JAX first) nothing changes and the record says so.
+    threads on 2 shared cores it is many times slower. Both JAX settings are fixed when the backend starts, so the
+    first call decides (call it first thing in ``main``); when a backend already runs (a caller started JAX first)
+    nothing changes and the record says so.
     """
     global _runtime
     if _runtime is not None:
@@ -243,8 +242,8 @@ def minor_page_faults() -> int:
 def trim_memory() -> None:
     """Collect garbage and hand free heap pages back to the OS, so RSS deltas measure live memory.
 
-    The survivors are then frozen (``gc.freeze``): with torch and JAX loaded a full collection costs ~0.3 s here,
-    and later collections only need to scan what was allocated since."""
+    The survivors are then frozen (``gc.freeze``): with torch and JAX loaded a full collection is slow, and later
+    collections only need to scan what was allocated since."""
     gc.collect()
     gc.freeze()
     try:

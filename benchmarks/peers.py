@@ -455,7 +455,7 @@ _torch_status: Optional[str] = None
 
 
 def import_torch():
-    """Import torch pinned to one thread (ARCHITECTURE.md: 2 threads on 2 shared cores is 25-60x slower)."""
+    """Import torch pinned to one thread (ARCHITECTURE.md: 2 threads on 2 shared cores are many times slower)."""
     import logging
 
     import torch

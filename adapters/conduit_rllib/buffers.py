@@ -305,8 +305,8 @@ def _joined(parts: list) -> _Drawn:
 
 def _to_host(tree):
     """A pytree of JAX arrays as NumPy arrays (read-only), once computed. On the CPU ``np.asarray`` reads each buffer
-    in place, about 1 us an array where ``jax.device_get`` took ~10 us (10 ready [32, 3] arrays: 96 -> 10 us
-    here); on an accelerator ``device_get`` starts every copy before it waits for the first."""
+    in place, with less overhead per array than ``jax.device_get``; on an accelerator ``device_get`` starts every
+    copy before it waits for the first."""
     if jax.default_backend() == "cpu":
         return jax.tree.map(np.asarray, tree)
     return jax.device_get(tree)
@@ -351,7 +351,7 @@ def candidate_count(need: int, share: float) -> int:
     fits and ``need`` of those must be among them: the binomial mean at least three standard deviations (plus 4) above
     ``need``, at most ``max(64 * need, MOST_CANDIDATES)`` (a smaller share takes several draws); rounded up to a
     power of two, so a share that drifts compiles few kernel sizes (finer sizes compiled one kernel after another
-    while priorities moved the share: 12 s of a 40-round warm-up here)."""
+    while priorities moved the share, and the compiles took much of a warm-up)."""
     target = math.ceil(min((need + 3 * math.sqrt(need) + 4) / max(share, 1e-9), max(64 * need, MOST_CANDIDATES)))
     return _bucket(target)
 

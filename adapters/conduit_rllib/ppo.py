@@ -15,7 +15,7 @@ code is unchanged) changes two steps of ``Learner.update`` and keeps the rest:
    ``samplers.epochs(minibatch_size)`` (torch -> JAX zero-copy for the duration of the ingest). Each epoch's
    minibatches come out of one jitted call (the plane's pure sampling step scanned over the epoch, state donated) and
    reach torch through DLPack once per column per epoch (zero-copy); a minibatch is a view of that block. One
-   delivery and one DLPack hand-over per minibatch cost ~0.75 ms per minibatch here, 4x RLlib's slicing. The batch of
+   delivery and one DLPack hand-over per minibatch cost several times RLlib's slicing. The batch of
    ``n`` rows is padded cyclically to ``C = ceil(n / minibatch_size) * minibatch_size`` rows (its first ``C - n``
    rows once more, as RLlib's cyclic iterator also repeats rows), so each epoch is ``C / minibatch_size`` minibatches
    with every row at least once (RLlib: ``ceil(num_epochs * n / minibatch_size)`` minibatches in all, so up to
