@@ -19,7 +19,7 @@ Writes ``experiments/results/gpu_breakdown.json`` (+ ``.png``), ``gpu_placement_
 GPU; the report marks those figures as GPU figures and ignores the rest.
 
 ``--dry-run`` (or ``--quick``) runs the same parts small on whatever backend is there (CPU here, one device) and
-writes ``gpu_*_quick.*`` (never the GPU files): the test that the script runs end to end, ~1-2 minutes on 2 cores.
+writes ``gpu_*_quick.*`` (never the GPU files): the test that the script runs end to end.
 
 Environment on the GPU machine: JAX with the CUDA plugin (``pip install '.[cuda]'``), flax, optax, matplotlib, tqdm;
 ``JAX_PLATFORMS`` is set to ``cuda`` for the parts unless you set it yourself.

@@ -63,17 +63,16 @@ Output: ``--out FILE`` (default ``experiments/results/rllib_compare_<algo>.json`
 band, against env steps; the median per-part breakdown as stacked bars; the command line in the caption). One
 progress line per iteration. ``--from-json FILE`` re-summarizes and re-plots a saved result.
 
-Run times measured on 2 CPU cores shared with other work (load average 2-7 during the runs; one ``--algo`` at a
-time): ``--quick`` (1 seed, both paths) takes about 25 s (DQN, PPO) to 1 minute (SAC). The full results in
-``experiments/results/rllib_compare_<algo>.json|png|log`` came from (PPO: 3 seeds x 2 paths; SAC: 5 seeds x 3 paths;
-DQN: 5 seeds x 4 paths)
+``--quick`` runs 1 seed of both paths. Each result file records its run's wall time (``wall_s``; ``conduit
+experiment --list`` shows it). The full results in ``experiments/results/rllib_compare_<algo>.json|png|log`` came
+from (PPO: 3 seeds x 2 paths; SAC: 5 seeds x 3 paths; DQN: 5 seeds x 4 paths)
 
 * ``python -m experiments.rllib_compare --algo sac --seeds 0 1 2 3 4 --schedule adaptive``: 12 x 1000 env steps per
-  run (500 updates of 128 per iteration), 3326 s;
+  run (500 updates of 128 per iteration);
 * ``python -m experiments.rllib_compare --algo dqn --seeds 0 1 2 3 4 --iterations 14 --schedule adaptive --paths
-  native conduit conduit_scheduled type_swap``: 16 x 1000 env steps per run (250 updates of 32), 1243 s;
+  native conduit conduit_scheduled type_swap``: 16 x 1000 env steps per run (250 updates of 32);
 * ``python -m experiments.rllib_compare --algo ppo``: 18 x 4000 env steps per run (10 epochs of 128-row
-  minibatches), 383 s.
+  minibatches).
 
 What they measured is in ``experiments/REPORT.md`` (``python -m experiments.report``), from those files.
 """

@@ -20,8 +20,8 @@ interleaved rounds so every path sees the same machine noise:
 ``updates`` = 4 (a high ``training_intensity``) leaves nothing between back-to-back updates, where only deferred's
 draw (during the learner update) is hidden; ``adaptive`` should match the better of the two in both.
 
-``python -m experiments.rllib_schedules`` (about 2 minutes) writes ``experiments/results/rllib_schedules.json``;
-``--quick`` (about 30 s) writes ``rllib_schedules_quick.json``.
+``python -m experiments.rllib_schedules`` writes ``experiments/results/rllib_schedules.json`` (its run time in
+``wall_s``); ``--quick`` writes ``rllib_schedules_quick.json``.
 """
 
 from __future__ import annotations
