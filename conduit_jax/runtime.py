@@ -63,7 +63,7 @@ def backend_started() -> bool:
 
 
 # bytes; 32 MiB is glibc's largest mmap threshold. A trim threshold of 64 MiB kept nearly all of the gain of 256 MiB
-# (a fresh W3 batch of 256: 35-44 faults per call against 18; 2,146 with glibc's defaults) with less free heap kept
+# (page faults per fresh W3 batch of 256, far fewer than with glibc's defaults) with less free heap kept
 RETAINED_MALLOC = {"mmap_threshold": 32 << 20, "trim_threshold": 64 << 20}
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt parameters (malloc.h)
 
