@@ -33,8 +33,8 @@ its median change across them is this host's measurement noise: a change smaller
 median spread between rounds) is reported as no measurable difference.
 
 Writes ``experiments/results/ablation.json`` and ``ablation.png`` (``--quick``: ``ablation_quick.*``).
-``--quick`` makes short runs of 1 round; the full run has 2 rounds of longer runs (the JSON records its wall time,
-``wall_s``). ``conduit experiment ablation [--quick]`` runs the same.
+``--quick`` makes short runs of 1 round; the full run has 3 rounds of longer runs (``--rounds``; the JSON records its
+wall time, ``wall_s``). ``conduit experiment ablation [--quick]`` runs the same.
 """
 
 from __future__ import annotations
