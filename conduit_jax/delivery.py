@@ -318,17 +318,22 @@ class Scheduler:
                 self._record_handovers()
 
     # -- deferred priority updates ----------------------------------------------------------------------------------
-    def report_update(self, ids, priorities) -> None:
+    def report_update(self, ids, priorities) -> float:
         """Queue an update as reported (``deferred``). With a worker, first wait for the TD errors it applies before
         its next draw, so the learner runs at most k - 1 steps ahead of its own TD errors and that wait never lands
-        in ``deliver()`` (where the next batch would queue behind them)."""
+        in ``deliver()`` (where the next batch would queue behind them). Returns the seconds that wait took (the
+        learner's own step computing, not experience-path work)."""
         with self.lock:
             self.deferred.report(self.step, ids, priorities)
             computing = self.deferred.computing(self.step + 1) if self.worker is not None else ()
+        waited = 0.0
         if computing:
+            start = time.perf_counter()
             jax.block_until_ready(computing)
+            waited = time.perf_counter() - start
         if self.worker is None:
             self.apply_due()
+        return waited
 
     def apply_due(self, everything: bool = False) -> None:
         """Queue for the next kernel, checked, every deferred update reported at a step <= current - k (all of them

@@ -3,7 +3,8 @@
 Every span is a pair of ``time.perf_counter`` stamps taken by the shell around a dispatch and, where the stage's
 result is needed, around ``block_until_ready``. The number the project is judged on is the *exposed* experience path:
 the time the learner's thread spends in ``ingest``, ``deliver()`` (the ``exposed`` spans) and ``update_priorities``
-(``Timeline.exposed_path``). Work that finished on another thread while the learner computed is hidden and does not
+(``Timeline.exposed_path``), less the time ``update_priorities`` waits for the learner's own TD errors to be computed
+(its step, recorded as ``td_wait``). Work that finished on another thread while the learner computed is hidden and does not
 count. ``Timeline.chrome_trace()`` exports every span in the Chrome / Perfetto trace-event format.
 """
 

@@ -370,24 +370,35 @@ class ExperienceDataPlane:
         Items staged before it are written first (a kernel now), so it applies to the state they are in.
         """
         runtime.refuse_under_trace("update_priorities()", "state = buffer.update(state, ids, priorities)")
-        start = time.perf_counter()  # part of the caller's exposed path (a refused call: nothing)
-        self._update_priorities(ids, priorities)
-        self.timeline.record("update", start, time.perf_counter())
+        start = time.perf_counter()
+        waited = self._update_priorities(ids, priorities)
+        # the call is part of the caller's exposed path (a refused one: nothing), except the wait for its own TD
+        # errors to be computed: that is the learner's step, recorded apart
+        if waited:
+            self.timeline.record("td_wait", start, start + waited)
+        self.timeline.record("update", start + waited, time.perf_counter())
 
-    def _update_priorities(self, ids, priorities) -> None:
+    def _update_priorities(self, ids, priorities) -> float:
+        """Check and queue the update; returns the seconds spent waiting for ``priorities`` to be computed."""
         if self.sampler.update is None:
             raise ConfigError(f"update_priorities(): the {self.sampler.name} sampler has no priorities; build the "
                               f"plane with samplers.prioritized(...) to use them")
         if self.schedule.defer:
             # queued as given (reading device arrays now would wait for the learner step that computes them);
             # checked when applied, k steps later (by the delivery worker, before its next draw)
-            self._schedule.report_update(ids, priorities)
-            return
+            return self._schedule.report_update(ids, priorities)
+        waited = 0.0
+        if isinstance(priorities, jax.Array) and not priorities.is_deleted() and not priorities.is_ready():
+            # the learner's step still computes them
+            begin = time.perf_counter()
+            priorities.block_until_ready()
+            waited = time.perf_counter() - begin
         checked = checked_priority_update(ids, priorities, self.capacity)
         if self.engine.staging.count:  # rows ingested before it: in the state first (the engine's kernels apply
             with self._changed:  # pending updates before staged rows)
                 self.engine.flush()
         self.engine.pend(checked)
+        return waited
 
     def _pend(self, checked) -> None:
         """Queue checked priority updates for the next kernel (the schedule's deferred updates, when due)."""
