@@ -176,6 +176,9 @@ class ExperienceDataPlane:
         waits up to ``timeout`` seconds (None: forever; 0: not at all) for a sample to make room, then raises
         ``RateLimitedError`` / ``CapacityError``. Whatever is raised, nothing was written and nothing is dropped.
         The plane keeps no reference to NumPy input: the caller may reuse its buffers once ``ingest`` returns.
+        A staged ingest never releases the GIL: a thread that does nothing but ingest in a loop leaves other Python
+        threads (a learner sampling) little of it; pace such producers with a rate limiter
+        (``limits.sample_to_insert_ratio``), as actors stepping environments pace themselves.
         """
         runtime.refuse_under_trace("ingest()", "state = buffer.ingest(state, batch)")
         start = time.perf_counter()  # the whole call is part of the caller's exposed path (a refused one: nothing)

@@ -446,6 +446,9 @@ def soak(seconds: float, producers: int = 3, devices: int = 1, save_to=None, sav
                 n = int(rng.choice([17, 32]))
                 plane.ingest(good_batch(n, int(rng.integers(1 << 30))))
                 ingested[k] += n
+                # an actor's env step between its ingests (the GIL released): a thread doing nothing but staged
+                # ingests, each a copy, would hold the GIL but for CPython's switch interval and starve the sampler
+                time.sleep(2e-4)
         except BaseException as error:  # noqa: BLE001 - reported below
             errors.append(error)
 
