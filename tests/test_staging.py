@@ -16,7 +16,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from conduit_jax import ExperienceDataPlane, engine, limits, samplers, schedule
+from conduit_jax import ExperienceDataPlane, default_mesh, engine, limits, samplers, schedule
 from conduit_jax.errors import CapacityError, ConduitError, RateLimitedError
 
 SPEC = {"obs": jax.ShapeDtypeStruct((3,), jnp.float32), "g": jax.ShapeDtypeStruct((), jnp.int32),
@@ -88,9 +88,24 @@ def _script(plane, mesh, has_priorities: bool):
     return outcomes
 
 
+# every sampler on one device; on the 8-device mesh the default run covers the samplers whose state is per shard
+# and order-sensitive (queue, priority tree), the rest run with -m slow
+SHARDED_IN_DEFAULT_RUN = ("fifo", "prioritized")
+
+
+@pytest.mark.parametrize("case", [pytest.param(case, marks=() if case in SHARDED_IN_DEFAULT_RUN else pytest.mark.slow)
+                                  for case in sorted(CASES)])
+def test_a_staging_plane_is_call_for_call_the_eager_baseline_on_8_devices(case):
+    _check_call_for_call(default_mesh(8), case)
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_a_staging_plane_is_call_for_call_the_eager_baseline(mesh, case):
+def test_a_staging_plane_is_call_for_call_the_eager_baseline(case):
     """Deliveries, refusals, sizes and the final state are bit-identical under sync and staged, for every sampler."""
+    _check_call_for_call(default_mesh(1), case)
+
+
+def _check_call_for_call(mesh, case):
     outcomes = {}
     dispatches = {}
     for chosen in (schedule.sync(), schedule.staged()):
