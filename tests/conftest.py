@@ -138,3 +138,30 @@ def front(request):
     from conduit_jax import ExperienceDataPlane
 
     return ExperienceDataPlane if request.param == "plane" else FunctionalPlane
+
+
+@pytest.fixture
+def td_errors_computing():
+    """``priorities = td_errors_computing(ids, seconds)``: TD errors (all ones, one per id) from a stand-in learner step
+    that is still computing when this returns: a chain of dependent matmuls sized from a timed run to take about
+    ``seconds``. (A step held on a host event cannot be used: on the CPU backend a program with a host callback runs
+    at dispatch.)"""
+    import jax.numpy as jnp
+
+    @jax.jit
+    def learner_step(m, ids, rounds):  # `rounds` dependent matmuls, then the TD errors
+        m = jax.lax.fori_loop(0, rounds, lambda i, x: jnp.tanh(x @ m), m)
+        return jnp.abs(jnp.sum(m)) * 0 + jnp.ones(ids.shape[0])
+
+    def start(ids, seconds: float):
+        import time
+
+        m = jnp.full((256, 256), 1e-3, jnp.float32)
+        jax.block_until_ready(learner_step(m, ids, 1))  # compiled
+        begin = time.perf_counter()
+        jax.block_until_ready(learner_step(m, ids, 32))
+        priorities = learner_step(m, ids, int(32 * seconds / (time.perf_counter() - begin)) + 1)
+        assert not priorities.is_ready(), "the learner step ran at dispatch: the CPU backend's async dispatch is off"
+        return priorities
+
+    return start

@@ -297,13 +297,12 @@ def test_adaptive_bookkeeping_does_not_read_the_history(monkeypatch):
     assert depths <= {0, 1, 2}
 
 
-def test_update_priorities_does_not_wait_for_the_learner():
+def test_update_priorities_does_not_wait_for_the_learner(td_errors_computing):
     """Under deferred, update_priorities() queues the learner's priorities as given: it returns while the learner
     step that computes them is still running. The step is a chain of matmuls sized (on this machine, from a timed
     run) to take about 0.5 s; update_priorities() takes about a millisecond unless it reads the priorities. (A step
     held on a host event cannot be used: on the CPU backend a program with a host callback runs at dispatch.)"""
     import jax
-    import jax.numpy as jnp
 
     spec = ExperienceSpec.from_example({"x": np.int32(0)})
     plane = ExperienceDataPlane(spec, 64, samplers.prioritized(8), schedule=schedule_lib.deferred(2, 2),
@@ -311,18 +310,7 @@ def test_update_priorities_does_not_wait_for_the_learner():
     plane.ingest({"x": np.arange(64, dtype=np.int32)})
     delivery = plane.deliver()
 
-    @jax.jit
-    def learner_step(m, ids, rounds):  # `rounds` dependent matmuls, then the new priorities (all ones)
-        m = jax.lax.fori_loop(0, rounds, lambda i, x: jnp.tanh(x @ m), m)
-        return jnp.abs(jnp.sum(m)) * 0 + jnp.ones(ids.shape[0])
-
-    m = jnp.full((256, 256), 1e-3, jnp.float32)
-    jax.block_until_ready(learner_step(m, delivery.ids, 1))  # compiled
-    start = time.perf_counter()
-    jax.block_until_ready(learner_step(m, delivery.ids, 32))
-    rounds = int(32 * 0.5 / (time.perf_counter() - start)) + 1
-    priorities = learner_step(m, delivery.ids, rounds)  # dispatched: computing for ~0.5 s
-    assert not priorities.is_ready(), "the learner step ran at dispatch: the CPU backend's async dispatch is off"
+    priorities = td_errors_computing(delivery.ids, 0.5)  # the learner's step: ~0.5 s still to run
     plane.update_priorities(delivery.ids, priorities)
     assert not priorities.is_ready(), "update_priorities() waited for the learner step"
     jax.block_until_ready(priorities)  # done before the next test starts
