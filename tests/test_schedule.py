@@ -309,6 +309,7 @@ def test_update_priorities_does_not_wait_for_the_learner(td_errors_computing):
                                 mesh=default_mesh(1))
     plane.ingest({"x": np.arange(64, dtype=np.int32)})
     delivery = plane.deliver()
+    plane.in_flight()  # the worker has drawn its refill (a first compile, under the lock update_priorities takes)
 
     priorities = td_errors_computing(delivery.ids, 0.5)  # the learner's step: ~0.5 s still to run
     plane.update_priorities(delivery.ids, priorities)
