@@ -12,7 +12,7 @@ import importlib
 
 __version__ = "0.1.0"
 
-_SUBMODULES = ("functional", "limits", "metrics", "runtime", "samplers", "schedule", "transforms")
+_SUBMODULES = ("functional", "limits", "metrics", "rollouts", "runtime", "samplers", "schedule", "transforms")
 _NAMES = {  # public name -> the module that defines it
     **dict.fromkeys(("CapacityError", "ConduitError", "ConduitWarning", "ConfigError", "NotEnoughDataError",
                      "PriorityError", "RateLimitedError", "SpecError"), "errors"),

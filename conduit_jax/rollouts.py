@@ -1,0 +1,540 @@
+"""LLM-RL rollouts: ragged token sequences stored without padding, delivered as whole groups, packed for the learner.
+
+In GRPO-style training (GRPO, DAPO, verl, AReaL) an item is a sequence of tokens of variable length (prompt +
+response), produced in groups of ``G`` responses to one prompt; the learner needs whole groups (the advantage of a
+response is its reward against its group's) and pays for every padded token it computes. This module keeps
+sequences in a token ring at their own length and delivers them packed into a fixed token budget, as pure functions
+over an explicit state pytree (usable inside a user's ``jax.jit``), in the shape of ``functional.make_buffer``::
+
+    spec = cj.rollouts.RolloutSpec(group_size=8, max_length=512,
+                                   token_leaves={"tokens": np.int32, "logprobs": np.float32})
+    buffer = cj.rollouts.make_rollout_buffer(spec, token_capacity=1 << 20, group_capacity=1024,
+                                             groups_per_batch=16, layout=cj.rollouts.packed(rows=32, row_length=2048),
+                                             max_staleness=1)
+    state = buffer.init()
+    groups = cj.rollouts.groups_from_lists(spec, tokens=[[...G sequences...], ...], logprobs=[[...], ...],
+                                           rewards=[[...G floats...], ...], prompt_lengths=[[...], ...],
+                                           policy_version=3)
+    state = buffer.ingest(state, groups)        # jit-able; any static number of groups
+    state, batch = buffer.sample(state)         # jit-able: whole groups, oldest first, each delivered once
+
+Storage. Each token leaf is one ring of ``token_capacity`` tokens. A group's ``G`` sequences are written one after the
+other in one contiguous region (a group that does not fit before the end of the ring starts again at 0), so a sequence
+is never split; the group table keeps each sequence's start, length, prompt length and reward, and the group's policy
+version and generation (the slot's write count: ``(slot, generation)`` is an id no later group reuses). Writing over a
+region, or over a group slot, retires the older group whole: a sequence is never delivered in part or mixed with a
+newer one. ``can_ingest`` says whether a write would retire a group not yet delivered.
+
+Delivery is a queue of groups (the on-policy contract): ``sample`` takes the oldest undelivered groups, up to
+``groups_per_batch``, each exactly once. With ``max_staleness=eta`` a group produced more than ``eta`` policy versions
+before the learner's (``set_policy_version``) is never delivered (AReaL's bound): it is dropped when the queue reaches
+it and counted in ``state.dropped_stale``; groups retired by an overwrite before delivery are counted in
+``state.dropped_overwritten``.
+
+Layouts. ``packed(rows, row_length)``: the chosen groups' sequences are placed whole into ``[rows, row_length]``
+(first fit, longest first within a group); a group that does not fit ends the batch and is the next batch's first.
+``padded()``: one sequence per row, ``[groups_per_batch * G, max_length]``, for comparison. Either way a batch
+holds, per token position: every token leaf, ``segment_ids`` (0 on padding; the sequence's index in the batch + 1,
+so tokens of one row attend only within their segment), ``positions`` (within the sequence), ``loss_mask`` (the
+response tokens: position >= prompt length) and ``advantages`` (the sequence's group advantage on its tokens;
+a group whose rewards are all equal gets exactly 0):
+``(reward - mean) / (std + eps)`` over the group (``std`` with ddof=1, as TRL and verl compute it), or
+``reward - mean`` with ``scale_advantages=False``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Mapping, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from conduit_jax._pytree import replace, state_dataclass
+from conduit_jax.errors import ConfigError, SpecError
+
+ADVANTAGE_EPS = 1e-6
+
+
+class RolloutSpec(NamedTuple):
+    """What one rollout holds: per-token leaves (name -> dtype), each as long as the sequence; the buffer adds the
+    per-sequence reward and prompt length and the per-group policy version."""
+
+    group_size: int
+    max_length: int
+    token_leaves: Mapping[str, Any]
+
+    def check(self, where: str = "RolloutSpec") -> "RolloutSpec":
+        for name, value, low, why in (("group_size", self.group_size, 2, " (advantages compare a group's responses)"),
+                                      ("max_length", self.max_length, 1, "")):
+            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < low:
+                raise ConfigError(f"{where}: {name} must be an int >= {low}{why}, got {value!r}")
+        if not self.token_leaves:
+            raise ConfigError(f"{where}: token_leaves is empty; name at least the tokens, e.g. {{'tokens': np.int32}}")
+        for name, dtype in self.token_leaves.items():
+            if not isinstance(name, str):
+                raise ConfigError(f"{where}: token leaf names must be strings, got {name!r}")
+            try:
+                np.dtype(dtype)
+            except TypeError as error:
+                raise ConfigError(f"{where}: token leaf {name!r} has dtype {dtype!r}, not a NumPy dtype") from error
+        return self
+
+
+class Groups(NamedTuple):
+    """``k`` groups of rollouts, padded for transport: ``leaves[name]`` [k, G, max_length] (anything past a sequence's
+    length is ignored), ``lengths`` int32[k, G], ``rewards`` float32[k, G], ``prompt_lengths`` int32[k, G],
+    ``policy_version`` int32[k]. ``groups_from_lists`` builds one from ragged host lists and checks it."""
+
+    leaves: dict
+    lengths: Any
+    rewards: Any
+    prompt_lengths: Any
+    policy_version: Any
+
+
+class Layout(NamedTuple):
+    """How a batch lays its sequences out: ``packed(rows, row_length)`` or ``padded()``."""
+
+    name: str
+    rows: Optional[int] = None
+    row_length: Optional[int] = None
+
+
+def packed(rows: int, row_length: int) -> Layout:
+    """Sequences placed whole into a ``[rows, row_length]`` token budget, several per row."""
+    for name, value in (("rows", rows), ("row_length", row_length)):
+        if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+            raise ConfigError(f"rollouts.packed(): {name} must be an int >= 1, got {value!r}")
+    return Layout("packed", int(rows), int(row_length))
+
+
+def padded() -> Layout:
+    """One sequence per row, padded to the spec's ``max_length`` (the layout packing is measured against)."""
+    return Layout("padded")
+
+
+@state_dataclass
+class RolloutState:
+    leaves: dict  # name -> [token_capacity] token ring
+    start: Any  # int32[group_capacity, G]: ring offset of each sequence
+    length: Any  # int32[group_capacity, G]
+    prompt_length: Any  # int32[group_capacity, G]
+    reward: Any  # float32[group_capacity, G]
+    version: Any  # int32[group_capacity]: policy version the group was produced with
+    span: Any  # int32[group_capacity, 2]: [begin, end) of the group's tokens in the ring
+    live: Any  # bool[group_capacity]: stored whole (not retired by a later write)
+    generation: Any  # int32[group_capacity]: writes of the slot
+    cursor: Any  # int32[]: ring offset of the next group's tokens
+    written: Any  # int32[]: groups ever ingested; the next goes to slot written % group_capacity
+    read: Any  # int32[]: groups the queue has passed (delivered or dropped)
+    policy_version: Any  # int32[]: the learner's
+    delivered: Any  # int32[]: groups delivered
+    dropped_stale: Any  # int32[]
+    dropped_overwritten: Any  # int32[]
+
+
+class RolloutBatch(NamedTuple):
+    """A learner batch. Per token position ([rows, row_length] packed, [groups_per_batch * G, max_length] padded):
+    ``leaves`` (every token leaf), ``segment_ids`` (0 padding, else the sequence's index in the batch + 1),
+    ``positions``, ``loss_mask``, ``advantages``. Per sequence of the batch ([groups_per_batch * G], in group order):
+    ``ids`` int32[., 2] (group slot, generation), ``rewards``, ``lengths``, ``versions`` (policy version),
+    ``sequence_mask`` (delivered in this batch). ``groups``: groups delivered; ``valid``: at least one."""
+
+    leaves: dict
+    segment_ids: Any
+    positions: Any
+    loss_mask: Any
+    advantages: Any
+    ids: Any
+    rewards: Any
+    lengths: Any
+    versions: Any
+    sequence_mask: Any
+    groups: Any
+    valid: Any
+
+
+class RolloutBuffer(NamedTuple):
+    """Pure functions over a ``RolloutState`` (see the module docstring).
+
+    init() -> state; ingest(state, groups) -> state; sample(state) -> (state, RolloutBatch);
+    can_sample(state) -> bool[]; can_ingest(state, groups) -> bool[] (no undelivered group would be retired);
+    set_policy_version(state, version) -> state; size(state) -> int32[] (undelivered groups still stored).
+    ``shardings``: the state's shardings (token rings split over the mesh, tables replicated)."""
+
+    spec: RolloutSpec
+    init: Callable
+    ingest: Callable
+    sample: Callable
+    can_sample: Callable
+    can_ingest: Callable
+    set_policy_version: Callable
+    size: Callable
+    shardings: Any
+
+
+def make_rollout_buffer(spec: RolloutSpec, token_capacity: int, group_capacity: int, groups_per_batch: int,
+                        layout: Layout = None, *, max_staleness: Optional[int] = None, scale_advantages: bool = True,
+                        mesh=None) -> RolloutBuffer:
+    """Build the pure functions of a rollout buffer (see the module docstring); ``mesh`` splits the token rings."""
+    where = "make_rollout_buffer()"
+    spec = RolloutSpec(spec.group_size, spec.max_length, dict(spec.token_leaves)).check(where)
+    layout = packed(8, 4 * spec.max_length) if layout is None else layout
+    for name, value, low in (("token_capacity", token_capacity, spec.group_size * spec.max_length),
+                             ("group_capacity", group_capacity, 1), ("groups_per_batch", groups_per_batch, 1)):
+        if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < low:
+            why = " (one group of sequences at max_length must fit)" if name == "token_capacity" else ""
+            raise ConfigError(f"{where}: {name} must be an int >= {low}{why}, got {value!r}")
+    if groups_per_batch > group_capacity:
+        raise ConfigError(f"{where}: groups_per_batch={groups_per_batch} exceeds group_capacity={group_capacity}")
+    if max_staleness is not None and (not isinstance(max_staleness, (int, np.integer)) or max_staleness < 0):
+        raise ConfigError(f"{where}: max_staleness must be None or an int >= 0 (policy versions), got "
+                          f"{max_staleness!r}")
+    if not isinstance(layout, Layout):
+        raise ConfigError(f"{where}: layout must be rollouts.packed(rows, row_length) or rollouts.padded(), got "
+                          f"{layout!r}")
+    if layout.name == "packed":
+        if layout.row_length < spec.max_length:
+            raise ConfigError(f"{where}: packed row_length={layout.row_length} is shorter than max_length="
+                              f"{spec.max_length}; a sequence is never split across rows")
+        if (layout.row_length // spec.max_length) * layout.rows < spec.group_size:
+            raise ConfigError(f"{where}: packed({layout.rows}, {layout.row_length}) may not hold one group of "
+                              f"{spec.group_size} sequences of max_length={spec.max_length}; give at least "
+                              f"{math.ceil(spec.group_size / (layout.row_length // spec.max_length))} rows")
+    token_capacity, group_capacity = int(token_capacity), int(group_capacity)
+    static = _Static(spec, token_capacity, group_capacity, int(groups_per_batch), layout,
+                     None if max_staleness is None else int(max_staleness), bool(scale_advantages))
+    shardings = _shardings(static, mesh)
+
+    def init() -> RolloutState:
+        return jax.jit(lambda: _init(static), out_shardings=shardings)()
+
+    def placed(state: RolloutState) -> RolloutState:
+        # every returned state keeps the buffer's shardings (else a jitted step's outputs come back with propagated
+        # ones, and the next call compiles again)
+        return jax.lax.with_sharding_constraint(state, shardings)
+
+    def sample(state: RolloutState):
+        state, batch = _sample(static, state)
+        return placed(state), batch
+
+    return RolloutBuffer(
+        spec=spec, init=init, shardings=shardings, sample=sample,
+        ingest=lambda state, groups: placed(_ingest(static, state, _checked_groups(static, groups))),
+        can_sample=lambda state: _choose(static, state)[1] > 0,
+        can_ingest=lambda state, groups: _can_ingest(static, state, _checked_groups(static, groups)),
+        set_policy_version=lambda state, version: placed(
+            replace(state, policy_version=jnp.asarray(version, jnp.int32))),
+        size=lambda state: jnp.sum(_undelivered(static, state).astype(jnp.int32)),
+    )
+
+
+class _Static(NamedTuple):
+    spec: RolloutSpec
+    token_capacity: int
+    group_capacity: int
+    groups_per_batch: int
+    layout: Layout
+    max_staleness: Optional[int]
+    scale_advantages: bool
+
+
+def _shardings(static: _Static, mesh):
+    abstract = jax.eval_shape(lambda: _init(static))
+    if mesh is None:
+        mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
+    axis = mesh.axis_names[0]
+    split = static.token_capacity % mesh.devices.size == 0
+    ring = NamedSharding(mesh, P(axis) if split else P())
+    replicated = NamedSharding(mesh, P())
+    return replace(jax.tree.map(lambda _: replicated, abstract),
+                   leaves={name: ring for name in abstract.leaves})
+
+
+def _init(static: _Static) -> RolloutState:
+    spec, groups = static.spec, static.group_capacity
+    table = jnp.zeros((groups, spec.group_size), jnp.int32)
+    scalar = jnp.zeros((), jnp.int32)
+    return RolloutState(
+        leaves={name: jnp.zeros((static.token_capacity,), dtype) for name, dtype in spec.token_leaves.items()},
+        start=table, length=table, prompt_length=table, reward=jnp.zeros((groups, spec.group_size), jnp.float32),
+        version=jnp.zeros((groups,), jnp.int32), span=jnp.zeros((groups, 2), jnp.int32),
+        live=jnp.zeros((groups,), bool), generation=jnp.zeros((groups,), jnp.int32), cursor=scalar, written=scalar,
+        read=scalar, policy_version=scalar, delivered=scalar, dropped_stale=scalar, dropped_overwritten=scalar)
+
+
+# -- ingest -----------------------------------------------------------------------------------------------------------
+def groups_from_lists(spec: RolloutSpec, *, rewards, prompt_lengths, policy_version, **token_leaves) -> Groups:
+    """Host lists of ragged rollouts as ``Groups``, checked: ``token_leaves[name][i][j]`` is the j-th response of the
+    i-th prompt (a 1-D sequence, prompt tokens first), every leaf of one rollout as long as the others;
+    ``rewards[i][j]`` and ``prompt_lengths[i][j]`` per rollout; ``policy_version`` an int (all groups) or one per
+    group. Raises ``SpecError`` naming the leaf, prompt and response of the first misfit."""
+    spec = spec.check("groups_from_lists()")
+    where = "groups_from_lists()"
+    if set(token_leaves) != set(spec.token_leaves):
+        raise SpecError(f"{where}: token leaves {sorted(token_leaves)} do not match the spec's "
+                        f"{sorted(spec.token_leaves)}")
+    first = next(iter(spec.token_leaves))
+    count = len(token_leaves[first])
+    if count == 0:
+        raise SpecError(f"{where}: no groups given (leaf {first!r} is empty)")
+    size, longest = spec.group_size, spec.max_length
+    leaves = {name: np.zeros((count, size, longest), np.dtype(dtype)) for name, dtype in spec.token_leaves.items()}
+    lengths = np.zeros((count, size), np.int32)
+    for name in spec.token_leaves:
+        if len(token_leaves[name]) != count:
+            raise SpecError(f"{where}: leaf {name!r} has {len(token_leaves[name])} groups, leaf {first!r} has {count}")
+        for i, group in enumerate(token_leaves[name]):
+            if len(group) != size:
+                raise SpecError(f"{where}: leaf {name!r}, prompt {i}: a group holds group_size={size} responses, "
+                                f"got {len(group)}")
+            for j, sequence in enumerate(group):
+                sequence = np.asarray(sequence)
+                if sequence.ndim != 1 or not 1 <= sequence.shape[0] <= longest:
+                    raise SpecError(f"{where}: leaf {name!r}, prompt {i}, response {j}: expected a 1-D sequence of "
+                                    f"1..{longest} tokens (max_length), got shape {sequence.shape}")
+                if name == first:
+                    lengths[i, j] = sequence.shape[0]
+                elif sequence.shape[0] != lengths[i, j]:
+                    raise SpecError(f"{where}: leaf {name!r}, prompt {i}, response {j}: {sequence.shape[0]} tokens, "
+                                    f"but leaf {first!r} has {lengths[i, j]} for the same rollout")
+                leaves[name][i, j, :sequence.shape[0]] = _cast(sequence, leaves[name].dtype, name, where)
+    versions = np.broadcast_to(np.asarray(policy_version), (count,))
+    groups = Groups(leaves, lengths, np.asarray(rewards, np.float32) if _shape(rewards) == (count, size) else rewards,
+                    np.asarray(prompt_lengths) if _shape(prompt_lengths) == (count, size) else prompt_lengths,
+                    versions)
+    return check_groups(spec, groups, where)
+
+
+def _shape(values):
+    """``np.shape``, or the string "ragged" for nested lists of unequal lengths."""
+    try:
+        return np.shape(values)
+    except ValueError:
+        return "ragged"
+
+
+def _cast(values: np.ndarray, dtype: np.dtype, name: str, where: str) -> np.ndarray:
+    if values.dtype == dtype or np.can_cast(values.dtype, dtype, "same_kind") or values.size == 0:
+        return values
+    raise SpecError(f"{where}: leaf {name!r} has dtype {values.dtype}, the spec says {dtype}")
+
+
+def check_groups(spec: RolloutSpec, groups: Groups, where: str = "ingest()") -> Groups:
+    """``groups`` checked against ``spec`` on the host (NumPy values: every field; device arrays are checked for
+    shape and dtype only, reading them would wait): raises ``SpecError`` naming the field, prompt and response."""
+    if not isinstance(groups, Groups):
+        raise SpecError(f"{where}: expected rollouts.Groups (see groups_from_lists), got {type(groups).__name__}")
+    if set(groups.leaves) != set(spec.token_leaves):
+        raise SpecError(f"{where}: token leaves {sorted(groups.leaves)} do not match the spec's "
+                        f"{sorted(spec.token_leaves)}")
+    shape = _shape(groups.lengths)
+    if shape == "ragged" or len(shape) != 2 or shape[0] == 0:
+        raise SpecError(f"{where}: lengths must be int32[k, {spec.group_size}] with k >= 1 groups, got shape "
+                        f"{shape}")
+    count = shape[0]
+    expected = {"lengths": ((count, spec.group_size), "i"), "rewards": ((count, spec.group_size), "f"),
+                "prompt_lengths": ((count, spec.group_size), "i"), "policy_version": ((count,), "i")}
+    expected.update({f"leaves[{name!r}]": ((count, spec.group_size, spec.max_length), np.dtype(dtype).kind)
+                     for name, dtype in spec.token_leaves.items()})
+    values = {"lengths": groups.lengths, "rewards": groups.rewards, "prompt_lengths": groups.prompt_lengths,
+              "policy_version": groups.policy_version}
+    values.update({f"leaves[{name!r}]": leaf for name, leaf in groups.leaves.items()})
+    for field, (shape, kind) in expected.items():
+        value = values[field]
+        if _shape(value) != shape:
+            raise SpecError(f"{where}: {field} has shape {_shape(value)}, expected {shape} "
+                            f"(k={count} groups of group_size={spec.group_size})")
+        dtype = np.dtype(value.dtype) if hasattr(value, "dtype") else np.asarray(value).dtype
+        if dtype.kind != kind and not (kind == "f" and dtype.kind in "iu") and not (kind == "i" and dtype.kind == "u"):
+            raise SpecError(f"{where}: {field} has dtype {dtype}, expected {'an integer' if kind in 'iu' else kind} "
+                            f"dtype")
+    if any(isinstance(value, jax.Array) for value in values.values()):
+        return groups  # device arrays: values checked in the kernel's terms only (nothing is read back)
+    lengths, prompts, rewards = (np.asarray(groups.lengths), np.asarray(groups.prompt_lengths),
+                                 np.asarray(groups.rewards, np.float64))
+    for field, bad, expectation in (
+            ("lengths", (lengths < 1) | (lengths > spec.max_length), f"1..{spec.max_length} (max_length)"),
+            ("prompt_lengths", (prompts < 0) | (prompts > lengths), "0..the sequence's length"),
+            ("rewards", ~np.isfinite(rewards), "a finite number")):
+        if bad.any():
+            i, j = np.argwhere(bad)[0]
+            value = np.asarray(values[field])[i, j].item()
+            raise SpecError(f"{where}: {field} of prompt {i}, response {j} is {value!r}, expected {expectation}")
+    return groups
+
+
+def _checked_groups(static: _Static, groups: Groups) -> Groups:
+    groups = check_groups(static.spec, groups)
+    if groups.lengths.shape[0] > static.group_capacity:
+        raise SpecError(f"ingest(): {groups.lengths.shape[0]} groups at once exceed group_capacity="
+                        f"{static.group_capacity}")
+    return Groups({name: jnp.asarray(leaf, static.spec.token_leaves[name]) for name, leaf in groups.leaves.items()},
+                  jnp.asarray(groups.lengths, jnp.int32), jnp.asarray(groups.rewards, jnp.float32),
+                  jnp.asarray(groups.prompt_lengths, jnp.int32), jnp.asarray(groups.policy_version, jnp.int32))
+
+
+def _placement(static: _Static, state: RolloutState, groups: Groups):
+    """Where each new group goes: its slot, its token region [begin, begin + total), and which stored groups (and
+    which earlier groups of the same call) the writes retire."""
+    lengths = jnp.clip(groups.lengths, 1, static.spec.max_length)
+    totals = jnp.sum(lengths, axis=1)  # [k]
+
+    def place(cursor, total):  # a group that would run past the ring's end starts again at 0 (never split)
+        begin = jnp.where(cursor + total > static.token_capacity, 0, cursor)
+        return begin + total, begin
+
+    cursor, begins = lax.scan(place, state.cursor, totals)
+    ends = begins + totals
+    count = totals.shape[0]
+    slots = (state.written + jnp.arange(count, dtype=jnp.int32)) % static.group_capacity
+    # a stored group is retired when a new region overlaps its tokens or a new group takes its slot
+    overlaps = (state.span[None, :, 0] < ends[:, None]) & (begins[:, None] < state.span[None, :, 1])
+    retired = state.live & (jnp.any(overlaps, axis=0) | jnp.zeros_like(state.live).at[slots].set(True))
+    # a new group is retired at once by a later one of the same call (more tokens than the ring in one call)
+    later = jnp.arange(count)[None, :] > jnp.arange(count)[:, None]
+    clobbered = jnp.any(later & (begins[None, :] < ends[:, None]) & (begins[:, None] < ends[None, :]), axis=1)
+    clobbered |= jnp.any(later & (slots[None, :] == slots[:, None]), axis=1)
+    return lengths, begins, ends, slots, cursor, retired, clobbered
+
+
+def _queued(static: _Static, state: RolloutState):
+    """The queue in order: the slot of each position from ``read`` on, and whether that position holds a group."""
+    offsets = jnp.arange(static.group_capacity, dtype=jnp.int32)
+    return (state.read + offsets) % static.group_capacity, state.read + offsets < state.written
+
+
+def _undelivered(static: _Static, state: RolloutState):
+    slots, queued = _queued(static, state)
+    return jnp.zeros_like(state.live).at[slots].set(queued) & state.live
+
+
+def _can_ingest(static: _Static, state: RolloutState, groups: Groups):
+    retired = _placement(static, state, groups)[5]
+    return ~jnp.any(retired & _undelivered(static, state))
+
+
+def _ingest(static: _Static, state: RolloutState, groups: Groups) -> RolloutState:
+    spec = static.spec
+    lengths, begins, ends, slots, cursor, retired, clobbered = _placement(static, state, groups)
+    offsets = jnp.cumsum(lengths, axis=1) - lengths  # [k, G]: each sequence's offset in its group's region
+    starts = begins[:, None] + offsets
+    steps = jnp.arange(spec.max_length, dtype=jnp.int32)
+    # token (i, j, t) goes to ring offset starts[i, j] + t; past the sequence's end: out of range, dropped
+    target = jnp.where(steps < lengths[..., None], starts[..., None] + steps, static.token_capacity).reshape(-1)
+    leaves = {name: ring.at[target].set(groups.leaves[name].reshape(-1).astype(ring.dtype), mode="drop")
+              for name, ring in state.leaves.items()}
+    undelivered = _undelivered(static, state)
+    live = (state.live & ~retired).at[slots].set(~clobbered)
+    return replace(
+        state, leaves=leaves, start=state.start.at[slots].set(starts), length=state.length.at[slots].set(lengths),
+        prompt_length=state.prompt_length.at[slots].set(jnp.clip(groups.prompt_lengths, 0, lengths)),
+        reward=state.reward.at[slots].set(groups.rewards), version=state.version.at[slots].set(groups.policy_version),
+        span=state.span.at[slots].set(jnp.stack([begins, ends], axis=1)), live=live,
+        generation=state.generation.at[slots].add(1), cursor=cursor,
+        written=state.written + lengths.shape[0],
+        # the queue's reader is never more than a ring of slots behind the writer
+        read=jnp.maximum(state.read, state.written + lengths.shape[0] - static.group_capacity),
+        dropped_overwritten=state.dropped_overwritten + jnp.sum((retired & undelivered).astype(jnp.int32)))
+
+
+# -- delivery ---------------------------------------------------------------------------------------------------------
+def _choose(static: _Static, state: RolloutState):
+    """The queue positions the next batch takes (the oldest deliverable groups, up to groups_per_batch, and in a
+    packed layout as many of those as fit whole), where their sequences go, and how far the reader moves."""
+    spec, batch = static.spec, static.groups_per_batch
+    slots, queued = _queued(static, state)
+    live = state.live[slots] & queued
+    fresh = live if static.max_staleness is None else live & (
+        state.version[slots] >= state.policy_version - static.max_staleness)
+    rank = jnp.cumsum(fresh.astype(jnp.int32))  # 1-based rank among deliverable positions
+    # the first `batch` deliverable positions, in queue order
+    pick = jnp.argsort(jnp.where(fresh & (rank <= batch), rank, static.group_capacity + rank), stable=True)[:batch]
+    wanted = (fresh & (rank <= batch))[pick]  # [batch]
+    chosen_slots = slots[pick]
+    lengths = jnp.where(wanted[:, None], state.length[chosen_slots], 0)  # [batch, G]
+    if static.layout.name == "packed":
+        rows, row_length = static.layout.rows, static.layout.row_length
+        order = jnp.argsort(-lengths, axis=1, stable=True)  # longest first within a group (first fit decreasing)
+
+        def place_group(carry, group):
+            fill, open_ = carry
+            sizes, members = group
+
+            def place_one(fill, size):
+                fits = fill + size <= row_length
+                row = jnp.argmax(fits)
+                return fill.at[row].add(jnp.where(fits[row], size, 0)), (row, fill[row], fits[row])
+
+            trial, (row, column, fits) = lax.scan(place_one, fill, sizes[members])
+            ok = open_ & jnp.all(fits) & (sizes[0] > 0)
+            rows_of = jnp.zeros_like(row).at[members].set(row)
+            columns_of = jnp.zeros_like(column).at[members].set(column)
+            return (jnp.where(ok, trial, fill), ok), (rows_of, columns_of, ok)
+
+        _, (row, column, taken) = lax.scan(place_group, (jnp.zeros((rows,), jnp.int32), jnp.asarray(True)),
+                                           (lengths, order))
+    else:
+        row = jnp.arange(batch * spec.group_size, dtype=jnp.int32).reshape(batch, spec.group_size)
+        column = jnp.zeros_like(row)
+        taken = wanted
+    count = jnp.sum(taken.astype(jnp.int32))
+    # the reader moves past the last group taken, and past everything undeliverable before it
+    # (a deliverable group at the head always fits an empty batch: the constructor checks the layout holds one);
+    # with none taken nothing queued is deliverable, and the reader passes it all
+    advance = jnp.where(count > 0, jnp.max(jnp.where(taken, pick, -1)) + 1, jnp.sum(queued.astype(jnp.int32)))
+    passed = (jnp.arange(static.group_capacity) < advance) & queued
+    dropped_stale = jnp.sum((passed & live & ~fresh).astype(jnp.int32))
+    return (chosen_slots, taken, row, column), count, advance, dropped_stale
+
+
+def _sample(static: _Static, state: RolloutState):
+    spec, batch = static.spec, static.groups_per_batch
+    (slots, taken, row, column), count, advance, dropped_stale = _choose(static, state)
+    if static.layout.name == "packed":
+        rows, row_length = static.layout.rows, static.layout.row_length
+    else:
+        rows, row_length = batch * spec.group_size, spec.max_length
+    group_size = spec.group_size
+    mask = jnp.repeat(taken, group_size)  # [n] sequences delivered
+    lengths = jnp.where(mask, state.length[slots].reshape(-1), 0)
+    starts = state.start[slots].reshape(-1)
+    prompts = state.prompt_length[slots].reshape(-1)
+    rewards = state.reward[slots]  # [batch, G]
+    # a group whose responses all scored the same carries no signal: exactly 0 (a mean rounded in float32 would
+    # leave a residue that the division by a zero std blows up)
+    same = jnp.all(rewards == rewards[:, :1], axis=1, keepdims=True)
+    advantages = jnp.where(same, 0.0, rewards - jnp.mean(rewards, axis=1, keepdims=True))
+    if static.scale_advantages:
+        advantages = advantages / (jnp.std(rewards, axis=1, keepdims=True, ddof=1) + ADVANTAGE_EPS)
+    advantages = advantages.reshape(-1)
+    # token t of sequence s comes from ring offset starts[s] + t and goes to flat position row * T + column + t
+    steps = jnp.arange(spec.max_length, dtype=jnp.int32)
+    inside = steps[None, :] < lengths[:, None]
+    target = jnp.where(inside, (row.reshape(-1) * row_length + column.reshape(-1))[:, None] + steps,
+                       rows * row_length).reshape(-1)
+    source = jnp.clip(starts[:, None] + steps, 0, static.token_capacity - 1).reshape(-1)
+    sequence = jnp.arange(lengths.shape[0], dtype=jnp.int32)
+
+    def lay(values, fill=0):
+        flat = jnp.full((rows * row_length,), fill, values.dtype).at[target].set(values.reshape(-1), mode="drop")
+        return flat.reshape(rows, row_length)
+
+    per_token = lambda values: jnp.broadcast_to(values[:, None], inside.shape)  # noqa: E731
+    out = RolloutBatch(
+        leaves={name: lay(ring[source]) for name, ring in state.leaves.items()},
+        segment_ids=lay(per_token(sequence + 1)),
+        positions=lay(jnp.broadcast_to(steps, inside.shape)),
+        loss_mask=lay(steps[None, :] >= prompts[:, None]),
+        advantages=lay(per_token(advantages)),
+        ids=jnp.stack([jnp.repeat(slots, group_size), jnp.repeat(state.generation[slots], group_size)], axis=1),
+        rewards=rewards.reshape(-1), lengths=lengths, versions=jnp.repeat(state.version[slots], group_size),
+        sequence_mask=mask, groups=count, valid=count > 0)
+    state = replace(state, read=state.read + advance, delivered=state.delivered + count,
+                    dropped_stale=state.dropped_stale + dropped_stale)
+    return state, out
