@@ -69,5 +69,9 @@ EXPERIMENTS: tuple[Experiment, ...] = (
                "(--algo dqn|dqn-per|ppo, --buffer conduit|flashbax); prints a JSON summary, --json FILE keeps it",
                # --quick: 10k env steps (the script has no --quick of its own)
                quick_flags=(), quick_args=("--total-env-steps", "10000")),
+    Experiment("grpo", "grpo", "-",
+               "GRPO end to end (a tiny transformer sorts digits): naive vs Conduit padded vs packed rollouts, "
+               "synchronous and overlapped; packing efficiency, learner tokens/s, exposed path, reward curves over 3 "
+               "seeds", outputs=("grpo",), needs=("matplotlib",)),
     Experiment("report", "report", "all", "regenerate experiments/REPORT.md from the JSON in experiments/results/"),
 )
