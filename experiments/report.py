@@ -43,7 +43,7 @@ PAPER = {
 ALGOS = ("dqn", "ppo", "sac")
 ABLATION = ("+placement", "+scheduling", "full")  # the ablation's steps measured against its baseline
 KNOWN = (*(f"rllib_compare_{a}" for a in ALGOS), "rllib_schedules", "scheduling", "ablation", "placement_sweep",
-         "scaling")
+         "scaling", "grpo")
 RLLIB_PARTS = ("buffer_add", "buffer_sample", "priority_update", "to_batch", "minibatching", "learner_update", "other")
 RLLIB_EXPERIENCE = ("buffer_add", "buffer_sample", "priority_update", "to_batch", "minibatching")
 # the paper's stages -> the parts rllib_compare measures
@@ -988,6 +988,28 @@ def section_gpu(res: Results) -> list[str]:
     return out
 
 
+def section_grpo(res: Results) -> list[str]:
+    """Issue 41: GRPO end to end (experiments/grpo.py), every figure read from grpo.json."""
+    out = ["## 7. GRPO: ragged rollouts, whole groups, packed delivery", "",
+           ("Goals (issue 41): packing efficiency >= 0.9, learner tokens/s >= 1.5x the naive path's, exposed "
+            "experience path <= 10% of naive's, the mean reward rising toward the task's target with the packed "
+            "and scheduled path not worse than naive (3 seeds, Welch's t-test)."), ""]
+    src = res.load("grpo")
+    if src is None:
+        return out + not_run("the GRPO experiment", "`conduit experiment grpo` (= `python -m experiments.grpo`)")
+    data = src.data
+    out += [src.provenance(), ""]
+    out += table(["mode", "path", "packing efficiency", "learner tokens/s", "vs naive", "exposed per step",
+                  "vs naive", "groups / step", "mean reward (start -> end)", "dropped stale groups"],
+                 [[e["mode"], e["path"], f"{e['packing_efficiency']:.3f}", f"{e['learner_tokens_per_s']:,.0f}",
+                   f"{e['learner_tokens_per_s_vs_naive']:.2f}x", f"{e['exposed_ms_median']:.3f} ms",
+                   pct(e["exposed_vs_naive"], signed=False), f"{e['groups_per_step']:.1f}",
+                   f"{e['initial_reward']:.2f} -> {e['final_reward']:.2f}", e["dropped_stale_groups"]]
+                  for e in data.get("table", [])])
+    out += [f"- {line}" for line in data.get("verdict", [])] + [""]
+    return out + figure_line(res, "grpo", src.quick)
+
+
 def section_machines(res: Results) -> list[str]:
     rows = []
     for src in sorted(res.loaded, key=lambda s: s.name):
@@ -1051,7 +1073,8 @@ def headline(res: Results) -> list[str]:
 
 
 SECTIONS: tuple[Callable[[Results], list[str]], ...] = (
-    section_breakdown, section_latency, section_placement, section_scaling, section_convergence, section_gpu)
+    section_breakdown, section_latency, section_placement, section_scaling, section_convergence, section_gpu,
+    section_grpo)
 
 
 def build_report(results_dir: Path = RESULTS, bench_dir: Path | None = BENCH_RESULTS) -> str:
