@@ -165,8 +165,11 @@ class RolloutBuffer(NamedTuple):
     init() -> state; ingest(state, groups) -> state; sample(state) -> (state, RolloutBatch);
     can_sample(state) -> bool[]; can_ingest(state, groups) -> bool[] (no undelivered group would be retired);
     set_policy_version(state, version) -> state; size(state) -> int32[] (undelivered groups still stored).
+    ``sample`` is ``deliver(state, plan(state))``: ``plan`` chooses the groups and places their sequences
+    (``BatchPlan``), ``deliver`` lays the batch out; a host program may plan with ``HostQueue`` instead.
     ``shardings``: the state's shardings (token rings split over the mesh, tables replicated)."""
 
+    config: "RolloutConfig"
     spec: RolloutSpec
     init: Callable
     ingest: Callable
@@ -175,6 +178,8 @@ class RolloutBuffer(NamedTuple):
     can_ingest: Callable
     set_policy_version: Callable
     size: Callable
+    plan: Callable
+    deliver: Callable
     shardings: Any
 
 
@@ -207,7 +212,7 @@ def make_rollout_buffer(spec: RolloutSpec, token_capacity: int, group_capacity: 
                               f"{spec.group_size} sequences of max_length={spec.max_length}; give at least "
                               f"{math.ceil(spec.group_size / (layout.row_length // spec.max_length))} rows")
     token_capacity, group_capacity = int(token_capacity), int(group_capacity)
-    static = _Static(spec, token_capacity, group_capacity, int(groups_per_batch), layout,
+    static = RolloutConfig(spec, token_capacity, group_capacity, int(groups_per_batch), layout,
                      None if max_staleness is None else int(max_staleness), bool(scale_advantages))
     shardings = _shardings(static, mesh)
 
@@ -219,14 +224,15 @@ def make_rollout_buffer(spec: RolloutSpec, token_capacity: int, group_capacity: 
         # ones, and the next call compiles again)
         return jax.lax.with_sharding_constraint(state, shardings)
 
-    def sample(state: RolloutState):
-        state, batch = _sample(static, state)
+    def deliver(state: RolloutState, plan: BatchPlan):
+        state, batch = _deliver(static, state, plan)
         return placed(state), batch
 
     return RolloutBuffer(
-        spec=spec, init=init, shardings=shardings, sample=sample,
+        config=static, spec=spec, init=init, shardings=shardings, deliver=deliver,
+        plan=lambda state: _plan(static, state), sample=lambda state: deliver(state, _plan(static, state)),
         ingest=lambda state, groups: placed(_ingest(static, state, _checked_groups(static, groups))),
-        can_sample=lambda state: _choose(static, state)[1] > 0,
+        can_sample=lambda state: jnp.any(_plan(static, state).taken),
         can_ingest=lambda state, groups: _can_ingest(static, state, _checked_groups(static, groups)),
         set_policy_version=lambda state, version: placed(
             replace(state, policy_version=jnp.asarray(version, jnp.int32))),
@@ -234,7 +240,9 @@ def make_rollout_buffer(spec: RolloutSpec, token_capacity: int, group_capacity: 
     )
 
 
-class _Static(NamedTuple):
+class RolloutConfig(NamedTuple):
+    """A rollout buffer's static configuration (``RolloutBuffer.config``)."""
+
     spec: RolloutSpec
     token_capacity: int
     group_capacity: int
@@ -244,7 +252,7 @@ class _Static(NamedTuple):
     scale_advantages: bool
 
 
-def _shardings(static: _Static, mesh):
+def _shardings(static: RolloutConfig, mesh):
     abstract = jax.eval_shape(lambda: _init(static))
     if mesh is None:
         mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
@@ -256,7 +264,7 @@ def _shardings(static: _Static, mesh):
                    leaves={name: ring for name in abstract.leaves})
 
 
-def _init(static: _Static) -> RolloutState:
+def _init(static: RolloutConfig) -> RolloutState:
     spec, groups = static.spec, static.group_capacity
     table = jnp.zeros((groups, spec.group_size), jnp.int32)
     scalar = jnp.zeros((), jnp.int32)
@@ -369,7 +377,7 @@ def check_groups(spec: RolloutSpec, groups: Groups, where: str = "ingest()") -> 
     return groups
 
 
-def _checked_groups(static: _Static, groups: Groups) -> Groups:
+def _checked_groups(static: RolloutConfig, groups: Groups) -> Groups:
     groups = check_groups(static.spec, groups)
     if groups.lengths.shape[0] > static.group_capacity:
         raise SpecError(f"ingest(): {groups.lengths.shape[0]} groups at once exceed group_capacity="
@@ -379,7 +387,7 @@ def _checked_groups(static: _Static, groups: Groups) -> Groups:
                   jnp.asarray(groups.prompt_lengths, jnp.int32), jnp.asarray(groups.policy_version, jnp.int32))
 
 
-def _placement(static: _Static, state: RolloutState, groups: Groups):
+def _placement(static: RolloutConfig, state: RolloutState, groups: Groups):
     """Where each new group goes: its slot, its token region [begin, begin + total), and which stored groups (and
     which earlier groups of the same call) the writes retire."""
     lengths = jnp.clip(groups.lengths, 1, static.spec.max_length)
@@ -403,23 +411,23 @@ def _placement(static: _Static, state: RolloutState, groups: Groups):
     return lengths, begins, ends, slots, cursor, retired, clobbered
 
 
-def _queued(static: _Static, state: RolloutState):
+def _queued(static: RolloutConfig, state: RolloutState):
     """The queue in order: the slot of each position from ``read`` on, and whether that position holds a group."""
     offsets = jnp.arange(static.group_capacity, dtype=jnp.int32)
     return (state.read + offsets) % static.group_capacity, state.read + offsets < state.written
 
 
-def _undelivered(static: _Static, state: RolloutState):
+def _undelivered(static: RolloutConfig, state: RolloutState):
     slots, queued = _queued(static, state)
     return jnp.zeros_like(state.live).at[slots].set(queued) & state.live
 
 
-def _can_ingest(static: _Static, state: RolloutState, groups: Groups):
+def _can_ingest(static: RolloutConfig, state: RolloutState, groups: Groups):
     retired = _placement(static, state, groups)[5]
     return ~jnp.any(retired & _undelivered(static, state))
 
 
-def _ingest(static: _Static, state: RolloutState, groups: Groups) -> RolloutState:
+def _ingest(static: RolloutConfig, state: RolloutState, groups: Groups) -> RolloutState:
     spec = static.spec
     lengths, begins, ends, slots, cursor, retired, clobbered = _placement(static, state, groups)
     offsets = jnp.cumsum(lengths, axis=1) - lengths  # [k, G]: each sequence's offset in its group's region
@@ -444,9 +452,25 @@ def _ingest(static: _Static, state: RolloutState, groups: Groups) -> RolloutStat
 
 
 # -- delivery ---------------------------------------------------------------------------------------------------------
-def _choose(static: _Static, state: RolloutState):
-    """The queue positions the next batch takes (the oldest deliverable groups, up to groups_per_batch, and in a
-    packed layout as many of those as fit whole), where their sequences go, and how far the reader moves."""
+class BatchPlan(NamedTuple):
+    """Which groups a batch takes and where their sequences go: ``slots`` int32[M] (group slots, queue order),
+    ``taken`` bool[M], ``rows`` / ``columns`` int32[M, G] (each sequence's first token), ``advance`` int32[] (queue
+    positions the reader passes: the groups taken and the undeliverable ones before them), ``dropped_stale`` int32[]
+    (stale groups among those passed). ``M`` is ``groups_per_batch``."""
+
+    slots: Any
+    taken: Any
+    rows: Any
+    columns: Any
+    advance: Any
+    dropped_stale: Any
+
+
+def _plan(static: RolloutConfig, state: RolloutState) -> BatchPlan:
+    """The next batch: the oldest deliverable groups, up to groups_per_batch, and in a packed layout as many of those
+    as fit whole, in order (first fit, longest first within a group); the reader passes them and every undeliverable
+    group before the last one taken (a deliverable group at the head always fits an empty batch: the constructor
+    checks the layout holds one; with none taken nothing queued is deliverable, and the reader passes it all)."""
     spec, batch = static.spec, static.groups_per_batch
     slots, queued = _queued(static, state)
     live = state.live[slots] & queued
@@ -456,18 +480,17 @@ def _choose(static: _Static, state: RolloutState):
     # the first `batch` deliverable positions, in queue order
     pick = jnp.argsort(jnp.where(fresh & (rank <= batch), rank, static.group_capacity + rank), stable=True)[:batch]
     wanted = (fresh & (rank <= batch))[pick]  # [batch]
-    chosen_slots = slots[pick]
-    lengths = jnp.where(wanted[:, None], state.length[chosen_slots], 0)  # [batch, G]
+    chosen = slots[pick]
+    lengths = jnp.where(wanted[:, None], state.length[chosen], 0)  # [batch, G]
     if static.layout.name == "packed":
-        rows, row_length = static.layout.rows, static.layout.row_length
-        order = jnp.argsort(-lengths, axis=1, stable=True)  # longest first within a group (first fit decreasing)
+        order = jnp.argsort(-lengths, axis=1, stable=True)
 
         def place_group(carry, group):
             fill, open_ = carry
             sizes, members = group
 
             def place_one(fill, size):
-                fits = fill + size <= row_length
+                fits = fill + size <= static.layout.row_length
                 row = jnp.argmax(fits)
                 return fill.at[row].add(jnp.where(fits[row], size, 0)), (row, fill[row], fits[row])
 
@@ -477,25 +500,23 @@ def _choose(static: _Static, state: RolloutState):
             columns_of = jnp.zeros_like(column).at[members].set(column)
             return (jnp.where(ok, trial, fill), ok), (rows_of, columns_of, ok)
 
-        _, (row, column, taken) = lax.scan(place_group, (jnp.zeros((rows,), jnp.int32), jnp.asarray(True)),
-                                           (lengths, order))
+        start = (jnp.zeros((static.layout.rows,), jnp.int32), jnp.asarray(True))
+        _, (row, column, taken) = lax.scan(place_group, start, (lengths, order))
     else:
         row = jnp.arange(batch * spec.group_size, dtype=jnp.int32).reshape(batch, spec.group_size)
         column = jnp.zeros_like(row)
         taken = wanted
-    count = jnp.sum(taken.astype(jnp.int32))
-    # the reader moves past the last group taken, and past everything undeliverable before it
-    # (a deliverable group at the head always fits an empty batch: the constructor checks the layout holds one);
-    # with none taken nothing queued is deliverable, and the reader passes it all
-    advance = jnp.where(count > 0, jnp.max(jnp.where(taken, pick, -1)) + 1, jnp.sum(queued.astype(jnp.int32)))
+    advance = jnp.where(jnp.any(taken), jnp.max(jnp.where(taken, pick, -1)) + 1, jnp.sum(queued.astype(jnp.int32)))
     passed = (jnp.arange(static.group_capacity) < advance) & queued
-    dropped_stale = jnp.sum((passed & live & ~fresh).astype(jnp.int32))
-    return (chosen_slots, taken, row, column), count, advance, dropped_stale
+    return BatchPlan(chosen, taken, row.astype(jnp.int32), column.astype(jnp.int32), advance.astype(jnp.int32),
+                     jnp.sum((passed & live & ~fresh).astype(jnp.int32)))
 
 
-def _sample(static: _Static, state: RolloutState):
+def _deliver(static: RolloutConfig, state: RolloutState, plan: BatchPlan):
+    """Lay out the batch ``plan`` describes and move the queue's reader past it."""
     spec, batch = static.spec, static.groups_per_batch
-    (slots, taken, row, column), count, advance, dropped_stale = _choose(static, state)
+    slots, taken, row, column = plan.slots, plan.taken, plan.rows, plan.columns
+    count = jnp.sum(taken.astype(jnp.int32))
     if static.layout.name == "packed":
         rows, row_length = static.layout.rows, static.layout.row_length
     else:
@@ -535,6 +556,115 @@ def _sample(static: _Static, state: RolloutState):
         ids=jnp.stack([jnp.repeat(slots, group_size), jnp.repeat(state.generation[slots], group_size)], axis=1),
         rewards=rewards.reshape(-1), lengths=lengths, versions=jnp.repeat(state.version[slots], group_size),
         sequence_mask=mask, groups=count, valid=count > 0)
-    state = replace(state, read=state.read + advance, delivered=state.delivered + count,
-                    dropped_stale=state.dropped_stale + dropped_stale)
+    state = replace(state, read=state.read + plan.advance, delivered=state.delivered + count,
+                    dropped_stale=state.dropped_stale + plan.dropped_stale)
     return state, out
+
+
+# -- the host's bookkeeping -------------------------------------------------------------------------------------------
+class HostQueue:
+    """The group table's bookkeeping in NumPy, step for step what ``ingest`` and ``deliver`` do to the state, so that
+    a host program (the plane's shell) knows without reading the device what an ingest would retire, how many groups
+    are deliverable, and what the next batch takes (``plan()``: the same ``BatchPlan`` as ``buffer.plan`` computes
+    on the device, to hand to ``buffer.deliver``). It needs only the lengths and policy versions of what is
+    ingested."""
+
+    def __init__(self, config: RolloutConfig):
+        self.config = config
+        groups, size = config.group_capacity, config.spec.group_size
+        self.length = np.zeros((groups, size), np.int32)
+        self.version = np.zeros(groups, np.int64)
+        self.span = np.zeros((groups, 2), np.int64)
+        self.live = np.zeros(groups, bool)
+        self.cursor = self.written = self.read = self.policy_version = 0
+        self.delivered = self.dropped_stale = self.dropped_overwritten = 0
+
+    def _place(self, lengths: np.ndarray):
+        """(slot, begin, end) of each new group, and the stored groups the writes retire."""
+        capacity, places, retired = self.config.token_capacity, [], np.zeros_like(self.live)
+        cursor = self.cursor
+        for i, total in enumerate(np.clip(lengths, 1, self.config.spec.max_length).sum(axis=1)):
+            begin = 0 if cursor + total > capacity else cursor
+            slot = (self.written + i) % self.config.group_capacity
+            retired |= (self.span[:, 0] < begin + total) & (begin < self.span[:, 1])
+            retired[slot] = True
+            places.append((slot, begin, begin + total))
+            cursor = begin + total
+        return places, retired & self.live
+
+    def undelivered(self) -> np.ndarray:
+        """bool[group_capacity]: slots holding a group the queue has not passed."""
+        queued = np.zeros_like(self.live)
+        queued[np.arange(self.read, self.written) % self.config.group_capacity] = True
+        return queued & self.live
+
+    def retires_undelivered(self, lengths) -> int:
+        """How many undelivered groups an ingest of groups with these ``lengths`` [k, G] would retire."""
+        return int(np.sum(self._place(np.asarray(lengths))[1] & self.undelivered()))
+
+    def ingest(self, lengths, versions) -> None:
+        lengths, versions = np.asarray(lengths), np.asarray(versions)
+        places, retired = self._place(lengths)
+        self.dropped_overwritten += int(np.sum(retired & self.undelivered()))
+        self.live &= ~retired
+        for i, (slot, begin, end) in enumerate(places):
+            # a later group of the same call may retire an earlier one (more tokens than the ring)
+            later = places[i + 1:]
+            self.live[slot] = not any(s == slot or (b < end and begin < e) for s, b, e in later)
+            self.length[slot], self.version[slot], self.span[slot] = lengths[i], versions[i], (begin, end)
+            self.cursor = end
+        self.written += len(places)
+        self.read = max(self.read, self.written - self.config.group_capacity)
+
+    def _fresh(self, slot: int) -> bool:
+        eta = self.config.max_staleness
+        return bool(self.live[slot]) and (eta is None or self.version[slot] >= self.policy_version - eta)
+
+    def deliverable(self) -> int:
+        """Groups the queue would still deliver (stored, undelivered, fresh enough)."""
+        return sum(self._fresh(q % self.config.group_capacity) for q in range(self.read, self.written))
+
+    def plan(self) -> BatchPlan:
+        """The next batch, as ``buffer.plan(state)`` computes it (NumPy arrays)."""
+        config, size = self.config, self.config.spec.group_size
+        batch = config.groups_per_batch
+        slots, taken = np.zeros(batch, np.int32), np.zeros(batch, bool)
+        rows, columns = np.zeros((batch, size), np.int32), np.zeros((batch, size), np.int32)
+        packed = config.layout.name == "packed"
+        fill = np.zeros(config.layout.rows if packed else 1, np.int64)
+        wanted, advance, open_ = 0, 0, True
+        for position, q in enumerate(range(self.read, self.written)):
+            slot = q % config.group_capacity
+            if wanted == batch:
+                break
+            if not self._fresh(slot):
+                continue
+            slots[wanted] = slot
+            if packed:
+                trial, lengths = fill.copy(), self.length[slot]
+                for member in np.argsort(-lengths, kind="stable"):
+                    fits = np.flatnonzero(trial + lengths[member] <= config.layout.row_length)
+                    if fits.size == 0:
+                        open_ = False
+                        break
+                    rows[wanted, member], columns[wanted, member] = fits[0], trial[fits[0]]
+                    trial[fits[0]] += lengths[member]
+                if not open_:
+                    break
+                fill = trial
+            else:
+                rows[wanted] = wanted * size + np.arange(size)
+            taken[wanted], advance, wanted = True, position + 1, wanted + 1
+        if not taken.any():
+            advance = self.written - self.read  # nothing deliverable: the reader passes everything queued
+        passed = [q % config.group_capacity for q in range(self.read, self.read + advance)]
+        stale = sum(bool(self.live[slot]) and not self._fresh(slot) for slot in passed)
+        return BatchPlan(slots, taken, rows, columns, np.int32(advance), np.int32(stale))
+
+    def commit(self, plan: BatchPlan) -> int:
+        """Record that a batch of ``plan`` was dispatched; returns its groups."""
+        count = int(np.sum(plan.taken))
+        self.read += int(plan.advance)
+        self.delivered += count
+        self.dropped_stale += int(plan.dropped_stale)
+        return count

@@ -127,6 +127,8 @@ def test_matches_the_reference_through_wraps_overwrites_and_staleness(layout, st
     reference = Reference(spec, 96, 6, 2, layout, staleness, scale)
     ingest, sample = jax.jit(buffer.ingest), jax.jit(buffer.sample)
     set_version, can_sample = jax.jit(buffer.set_policy_version), jax.jit(buffer.can_sample)
+    plan, can_ingest = jax.jit(buffer.plan), jax.jit(buffer.can_ingest)
+    host = rollouts.HostQueue(buffer.config)  # the host's bookkeeping follows along
     rng = np.random.default_rng(7)
     state, version, delivered = buffer.init(), 0, 0
     for step in range(80):
@@ -134,21 +136,32 @@ def test_matches_the_reference_through_wraps_overwrites_and_staleness(layout, st
         action = rng.choice(actions)
         if action == "ingest":
             groups, plain = random_groups(rng, spec, int(rng.integers(1, 4)), version)
+            assert (host.retires_undelivered(groups.lengths) == 0) == bool(can_ingest(state, groups))
             state = ingest(state, groups)
             reference.ingest(plain)
+            host.ingest(groups.lengths, groups.policy_version)
         elif action == "version":
             version += int(rng.integers(1, 3))  # a jump of 2 leaves queued groups stale at once
             state = set_version(state, version)
-            reference.version = version
+            reference.version = host.policy_version = version
         else:
             assert bool(buffer.can_sample(state)) == any(
                 staleness is None or g[0]["version"] >= version - staleness for g in reference.queue)
+            expected, planned = host.plan(), jax.tree.map(np.asarray, plan(state))
+            taken = planned.taken
+            np.testing.assert_array_equal(expected.taken, taken)
+            for field in ("slots", "rows", "columns"):
+                np.testing.assert_array_equal(getattr(expected, field)[taken], getattr(planned, field)[taken])
+            assert (expected.advance, expected.dropped_stale) == (planned.advance, planned.dropped_stale)
+            assert (host.deliverable() > 0) == bool(can_sample(state))
+            host.commit(expected)
             state, batch = sample(state)
             grid, taken = reference.sample()
             check_batch(batch, grid, taken, spec)
             delivered += len(taken)
     assert (int(state.delivered), int(state.dropped_stale), int(state.dropped_overwritten)) == (
-        delivered, reference.stale, reference.overwritten)
+        delivered, reference.stale, reference.overwritten) == (host.delivered, host.dropped_stale,
+                                                              host.dropped_overwritten)
     assert delivered > 10 and reference.overwritten > 0 and (staleness is None or reference.stale > 0)
 
 
