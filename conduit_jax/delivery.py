@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import math
 import threading
 import time
 import weakref
@@ -36,7 +37,7 @@ from typing import Callable, Optional
 import jax
 import numpy as np
 
-from conduit_jax.errors import PriorityError
+from conduit_jax.errors import ConfigError, PriorityError
 from conduit_jax.spec import checked_priority_update
 
 _running: "weakref.WeakSet[DeliveryWorker]" = weakref.WeakSet()  # workers whose thread may still run
@@ -456,3 +457,77 @@ class Scheduler:
 
 def _nothing() -> None:
     return None
+
+
+# -- pieces every shell's host calls share ---------------------------------------------------------------------------
+class CountedLock:
+    """A re-entrant lock (``threading.RLock``, usable under ``threading.Condition``) that tells how many threads are
+    blocked acquiring it (``waiting``; list appends and pops are atomic under the GIL, so the count never drifts)."""
+
+    def __init__(self):
+        self._lock = threading.RLock()
+        self._blocked: list = []
+        self._release_save, self._acquire_restore, self._is_owned = (
+            self._lock._release_save, self._lock._acquire_restore, self._lock._is_owned)
+        self.release = self._lock.release
+
+    @property
+    def waiting(self) -> int:
+        return len(self._blocked)
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        if self._lock.acquire(False):
+            return True
+        if not blocking:
+            return False
+        self._blocked.append(None)
+        try:
+            return self._lock.acquire(True, timeout)
+        finally:
+            self._blocked.pop()
+
+    __enter__ = acquire
+
+    def __exit__(self, *exc) -> None:
+        self._lock.release()
+
+
+def weakly(plane, method: str):
+    """``plane.<method>`` called through a weak reference (the delivery worker's thread must keep no plane alive)."""
+    ref = weakref.ref(plane)
+
+    def call(*args, **kwargs):
+        target = ref()
+        if target is None:
+            raise ReferenceError("the plane was freed")
+        return getattr(target, method)(*args, **kwargs)
+
+    return call
+
+
+def checked_timeout(timeout, where: str) -> Optional[float]:
+    """``timeout`` as the wait loops take it: None (or infinity) waits for ever, a number >= 0 that many seconds;
+    ConfigError naming it otherwise (a NaN deadline would never pass)."""
+    if timeout is None:
+        return None
+    if type(timeout) is float and 0.0 <= timeout < math.inf:  # the common case first: deliver()'s default 0.0
+        return timeout
+    if not isinstance(timeout, (int, float, np.integer, np.floating)) or isinstance(timeout, bool) or \
+            math.isnan(timeout) or timeout < 0:
+        raise ConfigError(f"{where}: timeout must be a number of seconds >= 0 or None (wait for ever), got "
+                          f"{timeout!r}")
+    return None if math.isinf(timeout) else float(timeout)
+
+
+def wait_until(changed: threading.Condition, refusal, timeout: Optional[float]) -> None:
+    """Wait (holding ``changed``) until ``refusal()`` is None; raise its ``(error type, message)`` when ``timeout``
+    runs out."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    reason = refusal()
+    while reason is not None:
+        remaining = None if deadline is None else deadline - time.monotonic()
+        if remaining is not None and remaining <= 0:
+            error, message = reason
+            raise error(message + (f" (waited {timeout} s)" if timeout else ""))
+        changed.wait(None if remaining is None else min(remaining, threading.TIMEOUT_MAX))
+        reason = refusal()

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 import threading
 import time
 import weakref
@@ -27,7 +26,7 @@ from jax.sharding import Mesh, NamedSharding
 from conduit_jax import checkpoint, functional, limits, memory, metrics, replay, runtime, samplers
 from conduit_jax import schedule as schedule_lib
 from conduit_jax import staging as staging_lib
-from conduit_jax.delivery import Scheduler
+from conduit_jax.delivery import CountedLock, Scheduler, checked_timeout, wait_until, weakly
 from conduit_jax.engine import Engine
 from conduit_jax.errors import CapacityError, ConfigError, NotEnoughDataError, RateLimitedError, SpecError
 from conduit_jax.limits import LimiterState, Staleness
@@ -83,13 +82,13 @@ class ExperienceDataPlane:
         if state is not None:
             self.engine.state = state
         self.timeline = metrics.Timeline()  # wall-clock spans per stage (see metrics.py)
-        self._lock = _CountedLock()  # guards state; held by every call and by the delivery worker's draws
+        self._lock = CountedLock()  # guards state; held by every call and by the delivery worker's draws
         self._changed = threading.Condition(self._lock)  # notified after every ingest and sample
         # the schedule's host side (batches in flight, deferred updates, the delivery worker); it reaches the plane
         # through weak references, so an unclosed plane is freed as usual and its worker stops
         self._schedule = Scheduler(self.schedule, self._lock, self.capacity, self.timeline,
-                                   draw=_weakly(self, "sample"), admits=_weakly(self, "can_sample"),
-                                   pend=_weakly(self, "_pend"), refresh=_weakly(self, "_refreshed"))
+                                   draw=weakly(self, "sample"), admits=weakly(self, "can_sample"),
+                                   pend=weakly(self, "_pend"), refresh=weakly(self, "_refreshed"))
         weakref.finalize(self, self._schedule.close)
 
     # -- the state ------------------------------------------------------------------------------------------------
@@ -349,16 +348,7 @@ class ExperienceDataPlane:
         return self._schedule.depth
 
     def _wait_until(self, refusal, timeout: Optional[float]) -> None:
-        """Wait (holding the condition) until ``refusal()`` is None; raise its error when ``timeout`` runs out."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        reason = refusal()
-        while reason is not None:
-            remaining = None if deadline is None else deadline - time.monotonic()
-            if remaining is not None and remaining <= 0:
-                error, message = reason
-                raise error(message + (f" (waited {timeout} s)" if timeout else ""))
-            self._changed.wait(None if remaining is None else min(remaining, threading.TIMEOUT_MAX))
-            reason = refusal()
+        wait_until(self._changed, refusal, timeout)
 
     # -- priorities -----------------------------------------------------------------------------------------------
     def update_priorities(self, ids, priorities) -> None:
@@ -501,66 +491,7 @@ class ExperienceDataPlane:
 
 
 
-class _CountedLock:
-    """A re-entrant lock (``threading.RLock``, usable under ``threading.Condition``) that tells how many threads are
-    blocked acquiring it (``waiting``; list appends and pops are atomic under the GIL, so the count never drifts)."""
-
-    def __init__(self):
-        self._lock = threading.RLock()
-        self._blocked: list = []
-        self._release_save, self._acquire_restore, self._is_owned = (
-            self._lock._release_save, self._lock._acquire_restore, self._lock._is_owned)
-        self.release = self._lock.release
-
-    @property
-    def waiting(self) -> int:
-        return len(self._blocked)
-
-    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
-        if self._lock.acquire(False):
-            return True
-        if not blocking:
-            return False
-        self._blocked.append(None)
-        try:
-            return self._lock.acquire(True, timeout)
-        finally:
-            self._blocked.pop()
-
-    __enter__ = acquire
-
-    def __exit__(self, *exc) -> None:
-        self._lock.release()
-
-
 def _update_headroom(schedule: schedule_lib.Schedule) -> int:
     """How far the engine pads the first batch of priority updates: with a delivery worker, how many steps' updates
     one kernel takes depends on thread timing, so 4x: a little padding per kernel instead of a compile mid-run."""
     return 4 if schedule.depth else 1
-
-
-def _weakly(plane, method: str):
-    """``plane.<method>`` called through a weak reference (the delivery worker's thread must keep no plane alive)."""
-    ref = weakref.ref(plane)
-
-    def call(*args, **kwargs):
-        target = ref()
-        if target is None:
-            raise ReferenceError("the plane was freed")
-        return getattr(target, method)(*args, **kwargs)
-
-    return call
-
-
-def checked_timeout(timeout, where: str) -> Optional[float]:
-    """``timeout`` as the wait loops take it: None (or infinity) waits for ever, a number >= 0 that many seconds;
-    ConfigError naming it otherwise (a NaN deadline would never pass)."""
-    if timeout is None:
-        return None
-    if type(timeout) is float and 0.0 <= timeout < math.inf:  # the common case first: deliver()'s default 0.0
-        return timeout
-    if not isinstance(timeout, (int, float, np.integer, np.floating)) or isinstance(timeout, bool) or \
-            math.isnan(timeout) or timeout < 0:
-        raise ConfigError(f"{where}: timeout must be a number of seconds >= 0 or None (wait for ever), got "
-                          f"{timeout!r}")
-    return None if math.isinf(timeout) else float(timeout)
