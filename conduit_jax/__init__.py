@@ -20,6 +20,7 @@ _NAMES = {  # public name -> the module that defines it
     "Buffer": "functional",
     "make_buffer": "functional",
     "ExperienceDataPlane": "plane",
+    "RolloutPlane": "rollout_plane",
     "Delivery": "replay",
     "default_mesh": "replay",
     "ExperienceSpec": "spec",

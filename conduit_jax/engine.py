@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from conduit_jax import limits, replay, runtime, staging
+from conduit_jax import limits, replay, rollouts, runtime, staging
 from conduit_jax._pytree import LeafBundle
 from conduit_jax._pytree import replace as _replace
 from conduit_jax.errors import ConfigError, SpecError
@@ -682,6 +682,63 @@ class Engine:
                 raise SpecError(f"{where}: {name} must be {dtype}{list(shape)} as in this plane's batches; got "
                                 f"{leaf.dtype}{list(leaf.shape)}")
             raise SpecError(f"{where}: {name} must be placed as this plane's batches, {sharding}; got {leaf.sharding}")
+
+
+class RolloutEngine:
+    """Compiled kernels over a rollout buffer's state (``conduit_jax.rollouts``), and the groups staged on the host
+    that the next kernel writes first.
+
+    A host program plans each batch on the host (``rollouts.HostQueue``, which also counts staged groups) and calls
+    ``deliver(plan, version)``: one kernel writes the staged groups, sets the policy version and lays the batch out,
+    in one dispatch. ``flush`` writes staged groups alone. There is one kernel per number of groups staged at once
+    (a generator that ingests the same number of prompts each round compiles one). Not thread-safe: the caller
+    serialises calls."""
+
+    def __init__(self, buffer: "rollouts.RolloutBuffer", state=None):
+        self.buffer = buffer
+        self.state = buffer.init() if state is None else state
+        self.staged: list = []  # rollouts.Groups of host arrays, in call order
+        self.compiles: collections.Counter = collections.Counter()  # kernel name -> XLA compilations
+        self.dispatches: collections.Counter = collections.Counter()  # kernel name -> calls
+        self._kernels: dict[tuple[str, int], Any] = {}
+
+    def staged_groups(self) -> int:
+        return sum(groups.lengths.shape[0] for groups in self.staged)
+
+    def _kernel(self, name: str, staged: int):
+        key = (name, staged)
+        if key not in self._kernels:
+            buffer = self.buffer
+
+            def step(state, groups, version, *plan):
+                if groups is not None:
+                    state = buffer.ingest(state, groups)
+                state = buffer.set_policy_version(state, version)
+                return buffer.deliver(state, *plan) if name == "deliver" else (state, None)
+
+            self._kernels[key] = jax.jit(step, donate_argnums=0)
+        return self._kernels[key]
+
+    def _dispatch(self, name: str, version: int, *plan):
+        staged, self.staged = self.staged, []
+        groups = None if not staged else rollouts.Groups(
+            {leaf: np.concatenate([g.leaves[leaf] for g in staged]) for leaf in staged[0].leaves},
+            *(np.concatenate([getattr(g, field) for g in staged]) for field in rollouts.Groups._fields[1:]))
+        count = 0 if groups is None else groups.lengths.shape[0]
+        kernel_name = f"{'staged+' if count else ''}{name}"
+        self.dispatches[kernel_name] += 1
+        with CompileScope(self.compiles, kernel_name):
+            self.state, out = self._kernel(name, count)(self.state, groups, np.int32(version), *plan)
+        return out
+
+    def deliver(self, plan: "rollouts.BatchPlan", version: int) -> "rollouts.RolloutBatch":
+        """Write the staged groups, then the batch ``plan`` describes (planned after them), in one dispatch."""
+        return self._dispatch("deliver", version, plan)
+
+    def flush(self, version: int) -> None:
+        """Write the staged groups (and the policy version) now."""
+        if self.staged:
+            self._dispatch("flush", version)
 
 
 def _placed_elsewhere(leaf, target) -> bool:

@@ -276,6 +276,28 @@ def shard_stats(topology: Topology, device_ids, learners) -> _Shards:
                    max(Counter(d.process for d in learner_devices).values()))
 
 
+def reshard_time(topology: Topology, nbytes: int, source_ids, target_ids) -> float:
+    """Seconds to move a batch of ``nbytes`` held on the devices ``source_ids`` to the devices ``target_ids``, its rows
+    split evenly over the targets (e.g. LLM-RL rollouts from the generation devices to the learner's): each target
+    receives its share over the link from the source that holds it (a device of its own: nothing to move; the same
+    node: ``peer``; another node: ``network``), the targets of one node at once (their shared bandwidth)."""
+    sources = [topology.device(i) for i in source_ids]
+    targets = [topology.device(i) for i in target_ids]
+    if not sources or not targets:
+        raise PlacementError(f"reshard_time(): source_ids and target_ids must name devices, got {list(source_ids)} and "
+                          f"{list(target_ids)}")
+    share = nbytes / len(targets)
+    per_node = Counter(t.node for t in targets)
+    slowest = 0.0
+    for k, target in enumerate(targets):
+        source = sources[k * len(sources) // len(targets)]  # the rows a target gets sit on one source, in order
+        if source.id == target.id:
+            continue
+        link = topology.link_class("peer" if source.node == target.node else "network")
+        slowest = max(slowest, link.transfer_time(share, per_node[target.node]))
+    return slowest
+
+
 def estimate(topology: Topology, workload: Workload, placement: Placement, row_bytes: int, capacity: int,
              shards: Optional[_Shards] = None) -> Costs:
     """Predicted ``Costs`` of one learner iteration for ``placement`` (see the module docstring for the terms)."""

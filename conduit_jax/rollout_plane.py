@@ -1,0 +1,261 @@
+"""The rollout plane: a rollout buffer (``conduit_jax.rollouts``) behind host calls, for LLM-RL loops whose
+generator and learner run in threads of one program.
+
+    plane = cj.RolloutPlane(spec, token_capacity=1 << 20, group_capacity=1024, groups_per_batch=16,
+                            layout=cj.rollouts.packed(rows=32, row_length=2048), max_staleness=1,
+                            schedule=cj.schedule.overlap(2))
+    # generator thread                              # learner thread
+    plane.ingest(groups, timeout=None)              batch = plane.deliver(timeout=None)
+                                                    ... learner step on batch ...
+                                                    plane.set_policy_version(step)
+
+``ingest`` checks the groups and stages them on the host (a copy): no kernel. The next kernel that runs anyway (a
+batch's, dispatched by ``deliver`` or by the schedule's delivery worker) writes them first, in the same dispatch.
+Back-pressure instead of loss: an ingest that would overwrite groups not yet delivered (and still fresh enough to
+be) waits (``timeout``) or raises ``CapacityError``, naming them; nothing is written. ``deliver`` hands over the
+next batch of whole groups, oldest first, each once; under a prefetching schedule (``overlap``, ``adaptive``) the
+worker has laid it out during the learner's step. A batch drawn before ``set_policy_version`` is re-checked when
+delivered: sequences now older than ``max_staleness`` versions are masked out (``loss_mask`` and ``sequence_mask``
+False, advantages 0) and counted, so nothing older than the bound reaches the loss. ``learner_mesh``: where
+batches go (e.g. the learner's half of the devices while the other half generates), rows split over its first axis;
+the move is a transfer after the kernel, overlapped like the rest.
+
+The plane plans every batch on the host (``rollouts.HostQueue``), so no call reads the device to decide.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from conduit_jax import metrics, rollouts, runtime
+from conduit_jax import schedule as schedule_lib
+from conduit_jax.delivery import CountedLock, Scheduler, checked_timeout, wait_until, weakly
+from conduit_jax.engine import RolloutEngine
+from conduit_jax.errors import CapacityError, ConfigError, NotEnoughDataError
+
+STAGED_GROUPS_MAX = 256  # groups staged at most (and at most group_capacity): more are written by a kernel of their own
+
+
+class RolloutPlane:
+    """See the module docstring. ``spec`` and the sizes are ``rollouts.make_rollout_buffer``'s; ``schedule`` one of
+    ``schedule.staged()`` (default: every batch drawn by ``deliver``), ``overlap(k)``, ``adaptive(k)``
+    (``deferred`` is for priority updates, which rollouts do not have); ``learner_mesh`` the devices batches go to
+    (default: where the buffer lives)."""
+
+    def __init__(self, spec: rollouts.RolloutSpec, token_capacity: int, group_capacity: int, groups_per_batch: int,
+                 layout: Optional[rollouts.Layout] = None, *, max_staleness: Optional[int] = None,
+                 scale_advantages: bool = True, schedule: Optional[schedule_lib.Schedule] = None, mesh=None,
+                 learner_mesh=None):
+        where = "RolloutPlane()"
+        self.schedule = schedule_lib.staged() if schedule is None else schedule
+        if not isinstance(self.schedule, schedule_lib.Schedule):
+            raise ConfigError(f"{where}: schedule must be a schedule.* policy (e.g. schedule.overlap(2)), got "
+                              f"{type(self.schedule).__name__}")
+        if self.schedule.defer:
+            raise ConfigError(f"{where}: the {self.schedule.name} schedule defers priority updates, which rollouts do "
+                              f"not have; use schedule.overlap(k) or schedule.adaptive(k)")
+        self.buffer = rollouts.make_rollout_buffer(spec, token_capacity, group_capacity, groups_per_batch, layout,
+                                                   max_staleness=max_staleness, scale_advantages=scale_advantages,
+                                                   mesh=mesh)
+        self.config, self.spec = self.buffer.config, self.buffer.spec
+        if learner_mesh is not None and not isinstance(learner_mesh, jax.sharding.Mesh):
+            raise ConfigError(f"{where}: learner_mesh must be a jax.sharding.Mesh, got {type(learner_mesh).__name__}")
+        self.learner_mesh = learner_mesh
+        self._learner_shardings = None  # per leaf of a batch, built from the first one
+        self.queue = rollouts.HostQueue(self.config)  # what is stored, staged and deliverable, known on the host
+        self.engine = RolloutEngine(self.buffer)
+        self.timeline = metrics.Timeline()
+        self.masked_stale = 0  # sequences of prefetched batches masked at delivery (older than the bound by then)
+        self._lock = CountedLock()
+        self._changed = threading.Condition(self._lock)
+        self._schedule = Scheduler(self.schedule, self._lock, group_capacity, self.timeline,
+                                   draw=weakly(self, "_draw"), admits=weakly(self, "can_sample"),
+                                   pend=weakly(self, "_pend"), refresh=weakly(self, "_refreshed"))
+        weakref.finalize(self, self._schedule.close)
+
+    # -- ingest -----------------------------------------------------------------------------------------------------
+    def ingest(self, groups: rollouts.Groups, *, timeout: Optional[float] = 0.0) -> None:
+        """Take ``groups`` (``rollouts.Groups`` of host arrays, e.g. from ``rollouts.groups_from_lists``; checked,
+        ``SpecError`` naming the field, prompt and response) into the plane: staged on the host, written by the
+        next kernel. When they would overwrite undelivered groups, waits up to ``timeout`` seconds (None: for ever)
+        for deliveries to make room, then raises ``CapacityError``; nothing is written. The plane keeps no reference
+        to the caller's arrays."""
+        runtime.refuse_under_trace("ingest()", "state = buffer.ingest(state, groups)")
+        start = time.perf_counter()
+        timeout = checked_timeout(timeout, "ingest()")
+        groups = rollouts.check_groups(self.spec, groups)
+        groups = rollouts.Groups({name: np.array(leaf) for name, leaf in groups.leaves.items()},
+                                 *(np.array(getattr(groups, field)) for field in rollouts.Groups._fields[1:]))
+        lengths = groups.lengths
+        if lengths.shape[0] > self.config.group_capacity:
+            raise CapacityError(f"ingest(): {lengths.shape[0]} groups at once exceed group_capacity="
+                                f"{self.config.group_capacity}")
+        with self._changed:
+            wait_until(self._changed, lambda: self._ingest_refusal(lengths), timeout)
+            if self.engine.staged_groups() + lengths.shape[0] > min(STAGED_GROUPS_MAX, self.config.group_capacity):
+                self.engine.flush(self.queue.policy_version)  # a producer that never samples: one kernel per area
+            self.queue.ingest(lengths, groups.policy_version)
+            self.engine.staged.append(groups)
+            self._changed.notify_all()
+            self._schedule.ingested()
+        self.timeline.record("ingest", start, time.perf_counter())
+        if self._lock.waiting:  # a producer looping on staged copies would starve a blocked learner (see plane.py)
+            time.sleep(0)
+
+    def _ingest_refusal(self, lengths):
+        # a group already older than the staleness bound is never delivered: overwriting it loses nothing (it is
+        # counted as overwritten), and holding room for it would stall the generator behind the learner for good
+        retired = self.queue.retires_undelivered(lengths, fresh_only=True)
+        if not retired:
+            return None
+        return CapacityError, (
+            f"ingest(): {lengths.shape[0]} groups ({int(np.sum(lengths))} tokens) would overwrite {retired} of the "
+            f"{self.queue.deliverable()} undelivered groups (token_capacity={self.config.token_capacity}, "
+            f"group_capacity={self.config.group_capacity}); deliver() first, or pass a timeout to wait for the "
+            f"learner")
+
+    # -- delivery ---------------------------------------------------------------------------------------------------
+    def can_sample(self) -> bool:
+        """Whether a batch is deliverable now without waiting (groups not prefetched already)."""
+        with self._changed:
+            return self.queue.deliverable() > 0
+
+    def deliver(self, *, timeout: Optional[float] = 0.0) -> rollouts.RolloutBatch:
+        """The learner's next batch (``rollouts.RolloutBatch``, computed), under the plane's schedule. With nothing
+        deliverable, waits up to ``timeout`` seconds for an ingest, then raises ``NotEnoughDataError``."""
+        runtime.refuse_under_trace("deliver()", "state, batch = buffer.sample(state)")
+        timeout = checked_timeout(timeout, "deliver()")
+        return self._schedule.deliver(timeout, None, lambda *_: None)
+
+    def _draw(self, *, timeout: Optional[float] = 0.0, recycle=None) -> rollouts.RolloutBatch:
+        """Plan the next batch on the host and dispatch its kernel (the staged groups go in first). Under the lock."""
+        del recycle  # batches are not recycled: their layout is the learner's
+        wait_until(self._changed, self._sample_refusal, timeout)
+        plan = self.queue.plan()
+        self.queue.commit(plan)
+        with self.timeline.span("sample"):
+            batch = self.engine.deliver(plan, self.queue.policy_version)
+        self._changed.notify_all()  # groups left the queue: an ingest waiting for room may go on
+        if self.learner_mesh is not None:
+            batch = jax.device_put(batch, self._shardings_on_learner(batch))
+        return batch
+
+    def move_cost(self, topology) -> dict[str, float]:
+        """What moving each batch to the learner's devices costs on ``topology`` (a ``placement.Topology`` whose
+        device ids are the meshes' ``Device.id``): the batch's bytes and the predicted seconds
+        (``placement.reshard_time``); 0 s without a ``learner_mesh`` or on the same devices."""
+        from conduit_jax import placement
+
+        abstract = jax.eval_shape(lambda state: self.buffer.sample(state)[1], self.engine.state)
+        nbytes = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree_util.tree_leaves(abstract))
+        if self.learner_mesh is None:
+            return {"batch_bytes": nbytes, "seconds": 0.0}
+        source = [device.id for device in self.buffer.shardings.leaves[next(iter(self.spec.token_leaves))]
+                  .mesh.devices.flat]
+        target = [device.id for device in self.learner_mesh.devices.flat]
+        return {"batch_bytes": nbytes, "seconds": placement.reshard_time(topology, nbytes, source, target)}
+
+    def _shardings_on_learner(self, batch):
+        """Each leaf of a batch on the learner's mesh: rows split over its first axis where they divide evenly,
+        replicated otherwise (scalars, odd row counts)."""
+        if self._learner_shardings is None:
+            mesh = self.learner_mesh
+            axis, size = mesh.axis_names[0], mesh.shape[mesh.axis_names[0]]
+            self._learner_shardings = jax.tree.map(
+                lambda leaf: NamedSharding(mesh, P(axis) if leaf.ndim and leaf.shape[0] % size == 0 else P()), batch)
+        return self._learner_shardings
+
+    def in_flight(self) -> tuple:
+        """The batches the schedule laid out and ``deliver()`` has not handed over yet, oldest first (their groups
+        have left the queue: ``stats()['groups_drawn']`` counts them)."""
+        with self._changed:
+            self._schedule.settle()
+            return tuple(batch.delivery for batch in self._schedule.in_flight)
+
+    def _sample_refusal(self):
+        if self.queue.deliverable() > 0:
+            return None
+        prefetched = len(self._schedule.in_flight)
+        held = f"; {prefetched} batches the {self.schedule.name} schedule prefetched wait for deliver()" \
+            if prefetched else ""
+        return NotEnoughDataError, (f"deliver(): no group is deliverable ({int(np.sum(self.queue.undelivered()))} "
+                                    f"undelivered stored, none fresh enough){held}; ingest more first")
+
+    def _pend(self, checked) -> None:
+        raise ConfigError("rollouts have no priorities")
+
+    def _refreshed(self, batch: rollouts.RolloutBatch) -> rollouts.RolloutBatch:
+        """A batch drawn before a policy-version switch, with its sequences now older than the bound masked out."""
+        eta = self.config.max_staleness
+        if eta is None:
+            return batch
+        stale = batch.sequence_mask & (batch.versions < self.queue.policy_version - eta)
+        count = int(np.sum(np.asarray(stale)))
+        if not count:
+            return batch
+        self.masked_stale += count
+        keep = ~jnp.concatenate([jnp.zeros((1,), bool), stale])[batch.segment_ids]  # per token (segment 0: padding)
+        return jax.block_until_ready(batch._replace(
+            loss_mask=batch.loss_mask & keep, advantages=jnp.where(keep, batch.advantages, 0.0),
+            sequence_mask=batch.sequence_mask & ~stale))
+
+    def set_policy_version(self, version: int) -> None:
+        """The learner's policy version (it never goes back): groups more than ``max_staleness`` behind are never
+        delivered from now on, and prefetched batches are re-checked when delivered."""
+        runtime.refuse_under_trace("set_policy_version()", "state = buffer.set_policy_version(state, version)")
+        if not isinstance(version, (int, np.integer)) or isinstance(version, bool) or not 0 <= version < 2**31:
+            raise ConfigError(f"set_policy_version(): version must be an int in [0, 2**31), got {version!r}")
+        with self._changed:
+            if version < self.queue.policy_version:
+                raise ConfigError(f"set_policy_version(): versions only move forward; the plane is at "
+                                  f"{self.queue.policy_version}, got {version}")
+            self.queue.policy_version = int(version)
+            self._schedule.switched()
+            self._changed.notify_all()
+
+    # -- the state, status ------------------------------------------------------------------------------------------
+    @property
+    def state(self) -> rollouts.RolloutState:
+        """The buffer's state with every staged group written (a kernel now if any are staged)."""
+        with self._changed:
+            self._schedule.settle()
+            self.engine.flush(self.queue.policy_version)
+            return self.engine.state
+
+    def __len__(self) -> int:
+        """Groups stored and not yet delivered (staged ones included)."""
+        with self._changed:
+            return int(np.sum(self.queue.undelivered()))
+
+    def stats(self) -> dict[str, Any]:
+        """Counts from the host's bookkeeping (groups drawn into batches, dropped as stale or overwritten, sequences
+        masked stale at delivery), the kernels dispatched and compiled, the shell's timings per call and the exposed
+        path (ingest + deliver on the learner's thread)."""
+        with self._changed:
+            self._schedule.settle()
+            queue = self.queue
+            return {"groups_ingested": queue.written, "groups_drawn": queue.delivered,
+                    "undelivered": int(np.sum(queue.undelivered())), "dropped_stale": queue.dropped_stale,
+                    "dropped_overwritten": queue.dropped_overwritten, "masked_stale": self.masked_stale,
+                    "policy_version": queue.policy_version, "schedule": self.schedule.name,
+                    "dispatches": dict(self.engine.dispatches), "compiles": dict(self.engine.compiles),
+                    "stages": self.timeline.summary(), "exposed_path": self.timeline.exposed_path()}
+
+    def close(self) -> None:
+        """Stop the delivery worker; prefetched batches stay deliverable. Idempotent."""
+        self._schedule.close()
+
+    def __enter__(self) -> "RolloutPlane":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,195 @@
+"""The rollout plane: a GRPO-style loop through the public API (generator thread, learner thread, a schedule), the
+staged ingest, back-pressure, staleness at delivery and the learner's placement."""
+
+import threading
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+
+from conduit_jax import RolloutPlane, placement, rollouts, schedule
+from conduit_jax.errors import CapacityError, ConfigError, NotEnoughDataError
+
+GROUP = 4
+
+
+def make_groups(rng, count, version, first_uid, longest=12):
+    """``count`` groups whose token t of sequence ``uid`` is ``uid * 100 + t`` (every token names its sequence and
+    place), with rewards and prompt lengths; returns the Groups and {uid: (tokens, reward, prompt, version, group)}."""
+    tokens, rewards, prompts, known = [], [], [], {}
+    for g in range(count):
+        group = []
+        for j in range(GROUP):
+            uid = first_uid + g * GROUP + j
+            sequence = [uid * 100 + t for t in range(int(rng.integers(1, longest + 1)))]
+            group.append(sequence)
+            known[uid] = (sequence, float(rng.integers(0, 3)), int(rng.integers(0, len(sequence) + 1)), version,
+                          first_uid + g * GROUP)
+        tokens.append(group)
+        rewards.append([known[first_uid + g * GROUP + j][1] for j in range(GROUP)])
+        prompts.append([known[first_uid + g * GROUP + j][2] for j in range(GROUP)])
+    spec = rollouts.RolloutSpec(GROUP, longest, {"tokens": np.int32})
+    return rollouts.groups_from_lists(spec, tokens=tokens, rewards=rewards, prompt_lengths=prompts,
+                                      policy_version=version), known
+
+
+def check_delivered(batch, known, seen, version, eta):
+    """Every token is its sequence's, in order, within one segment of one row; groups whole and once; advantages as
+    NumPy computes them; nothing older than the bound in the loss. Returns the groups delivered."""
+    tokens, segments = np.asarray(batch.leaves["tokens"]), np.asarray(batch.segment_ids)
+    positions, loss, advantages = (np.asarray(batch.positions), np.asarray(batch.loss_mask),
+                                   np.asarray(batch.advantages))
+    uids = {}
+    for segment in np.unique(segments[segments > 0]):
+        rows, columns = np.nonzero(segments == segment)
+        assert len(set(rows)) == 1 and np.all(np.diff(columns) == 1), "a segment crosses rows or has holes"
+        uid = int(tokens[rows[0], columns[0]]) // 100
+        sequence, reward, prompt, produced, group = known[uid]
+        np.testing.assert_array_equal(tokens[rows, columns], sequence)
+        np.testing.assert_array_equal(positions[rows, columns], np.arange(len(sequence)))
+        uids[uid] = (rows[0], columns, prompt, produced, group)
+    groups = {}
+    for uid, (_, _, _, _, group) in uids.items():
+        groups.setdefault(group, []).append(uid)
+    for group, members in groups.items():
+        assert sorted(members) == list(range(group, group + GROUP)), "a group arrived in part"
+        assert group not in seen, "a group arrived twice"
+        seen.add(group)
+        rewards = np.array([known[uid][1] for uid in members], np.float64)
+        expected = np.zeros(GROUP) if np.all(rewards == rewards[0]) else \
+            (rewards - rewards.mean()) / (rewards.std(ddof=1) + rollouts.ADVANTAGE_EPS)
+        for uid, advantage in zip(members, expected):
+            row, columns, prompt, produced, _ = uids[uid]
+            fresh = eta is None or produced >= version - eta
+            np.testing.assert_array_equal(loss[row, columns], (np.arange(len(columns)) >= prompt) & fresh)
+            np.testing.assert_allclose(advantages[row, columns], advantage if fresh else 0.0, rtol=1e-4, atol=1e-5)
+    return len(groups)
+
+
+@pytest.mark.parametrize("policy", [schedule.staged(), schedule.overlap(2)], ids=lambda s: s.name)
+def test_a_grpo_loop_gets_whole_fresh_groups_once_in_order(policy):
+    """A generator thread ingests groups of ragged rollouts (waiting for room), the learner delivers packed
+    batches and moves its policy version on; every delivered token checks out against what was generated."""
+    spec = rollouts.RolloutSpec(GROUP, 12, {"tokens": np.int32})
+    eta, steps = 1, 30
+    plane = RolloutPlane(spec, token_capacity=512, group_capacity=16, groups_per_batch=3,
+                         layout=rollouts.packed(4, 24), max_staleness=eta, schedule=policy)
+    known, done = {}, threading.Event()
+    lock = threading.Lock()
+
+    def generate():
+        rng, uid = np.random.default_rng(5), 0
+        while not done.is_set():
+            version = plane.stats()["policy_version"]
+            groups, new = make_groups(rng, 2, version, uid)
+            uid += 2 * GROUP
+            with lock:  # the learner checks what it gets against what was ingested
+                try:
+                    plane.ingest(groups, timeout=0.5)
+                except CapacityError:
+                    continue
+                known.update(new)
+
+    producer = threading.Thread(target=generate)
+    producer.start()
+    seen, delivered = set(), 0
+    try:
+        for step in range(steps):
+            batch = plane.deliver(timeout=30.0)
+            with lock:
+                delivered += check_delivered(batch, dict(known), seen, step, eta)
+            plane.set_policy_version(step + 1)
+    finally:
+        done.set()
+        producer.join()
+        plane.close()
+    stats, prefetched = plane.stats(), sum(int(batch.groups) for batch in plane.in_flight())
+    assert stats["groups_drawn"] == delivered + prefetched and delivered >= steps
+    # back-pressure, not loss: every group still fresh at the end was delivered or is waiting to be
+    fresh = {group for _, _, _, produced, group in known.values() if produced >= steps - eta}
+    assert len(fresh - seen) <= stats["undelivered"] + prefetched
+    assert stats["groups_ingested"] == (stats["groups_drawn"] + stats["dropped_stale"] + stats["undelivered"] +
+                                        stats["dropped_overwritten"])
+    assert stats["exposed_path"]["batches"] == steps
+
+
+def test_staged_ingest_dispatches_nothing_and_one_kernel_delivers():
+    spec = rollouts.RolloutSpec(GROUP, 12, {"tokens": np.int32})
+    plane = RolloutPlane(spec, 512, 16, 2, rollouts.packed(4, 24))
+    rng = np.random.default_rng(0)
+    plane.ingest(make_groups(rng, 2, 0, 0)[0])
+    plane.ingest(make_groups(rng, 1, 0, 100)[0])
+    assert plane.stats()["dispatches"] == {} and len(plane) == 3
+    batch = plane.deliver()
+    assert int(batch.groups) == 2 and plane.stats()["dispatches"] == {"staged+deliver": 1}
+    plane.deliver()
+    assert plane.stats()["dispatches"] == {"staged+deliver": 1, "deliver": 1} and len(plane) == 0
+    with pytest.raises(NotEnoughDataError, match="no group is deliverable"):
+        plane.deliver()
+    state = plane.state
+    assert int(state.delivered) == 3 and int(state.written) == 3
+
+
+def test_an_ingest_that_would_overwrite_undelivered_groups_waits_or_is_refused():
+    spec = rollouts.RolloutSpec(GROUP, 12, {"tokens": np.int32})
+    plane = RolloutPlane(spec, 512, 4, 2, rollouts.padded())
+    rng = np.random.default_rng(1)
+    plane.ingest(make_groups(rng, 4, 0, 0)[0])
+    extra = make_groups(rng, 1, 0, 100)[0]
+    with pytest.raises(CapacityError, match="would overwrite 1 of the 4 undelivered groups"):
+        plane.ingest(extra)
+    assert len(plane) == 4 and plane.stats()["groups_ingested"] == 4  # nothing written
+    learner = threading.Timer(0.2, plane.deliver)
+    learner.start()
+    plane.ingest(extra, timeout=10.0)  # room made by the learner's deliver()
+    learner.join()
+    assert len(plane) == 3 and plane.stats()["dropped_overwritten"] == 0
+
+
+def test_a_prefetched_batch_gone_stale_is_masked_when_delivered():
+    """Drawn ahead at version 0, delivered after the learner moved to version 2 (bound 1): its sequences carry no
+    loss and are counted; nothing older reaches the learner."""
+    spec = rollouts.RolloutSpec(GROUP, 12, {"tokens": np.int32})
+    plane = RolloutPlane(spec, 512, 16, 1, rollouts.packed(4, 24), max_staleness=1, schedule=schedule.overlap(1))
+    try:
+        rng = np.random.default_rng(2)
+        plane.ingest(make_groups(rng, 2, 0, 0)[0])
+        plane.deliver(timeout=10.0)
+        assert len(plane.in_flight()) == 1  # the worker drew the second group ahead, at version 0
+        plane.set_policy_version(2)
+        batch = plane.deliver(timeout=10.0)
+        assert int(batch.groups) == 1 and not np.any(np.asarray(batch.loss_mask))
+        assert plane.stats()["masked_stale"] == GROUP
+    finally:
+        plane.close()
+
+
+def test_batches_land_on_the_learners_devices():
+    """Generation's half of the mesh holds the buffer; the learner's half receives the batches."""
+    devices = np.array(jax.devices()[:8])
+    generation, learner = Mesh(devices[:4], ("data",)), Mesh(devices[4:], ("data",))
+    spec = rollouts.RolloutSpec(GROUP, 12, {"tokens": np.int32})
+    plane = RolloutPlane(spec, 512, 16, 2, rollouts.packed(4, 24), mesh=generation,
+                         learner_mesh=learner)
+    plane.ingest(make_groups(np.random.default_rng(3), 2, 0, 0)[0])
+    batch = plane.deliver()
+    assert batch.leaves["tokens"].sharding.device_set == set(devices[4:])
+    assert plane.state.leaves["tokens"].sharding.device_set == set(devices[:4])
+    # the planner prices the move: each learner device receives a quarter of the batch over the peer link
+    topology = placement.emulated_cpu(8)
+    cost = plane.move_cost(topology)
+    nbytes = sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(batch))
+    assert cost["batch_bytes"] == nbytes
+    assert cost["seconds"] == pytest.approx(topology.link_class("peer").transfer_time(nbytes / 4, 4))
+    assert placement.reshard_time(topology, nbytes, [0, 1], [0, 1]) == 0.0  # already where the learner is
+
+
+def test_bad_configurations_are_named():
+    spec = rollouts.RolloutSpec(GROUP, 12, {"tokens": np.int32})
+    with pytest.raises(ConfigError, match="defers priority updates"):
+        RolloutPlane(spec, 512, 16, 2, schedule=schedule.deferred(2, 2))
+    plane = RolloutPlane(spec, 512, 16, 2)
+    plane.set_policy_version(3)
+    with pytest.raises(ConfigError, match="versions only move forward; the plane is at 3, got 2"):
+        plane.set_policy_version(2)
