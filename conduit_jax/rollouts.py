@@ -32,7 +32,8 @@ it and counted in ``state.dropped_stale``; groups retired by an overwrite before
 ``state.dropped_overwritten``.
 
 Layouts. ``packed(rows, row_length)``: the chosen groups' sequences are placed whole into ``[rows, row_length]``
-(first fit, longest first within a group); a group that does not fit ends the batch and is the next batch's first.
+(first fit, longest first within a group); a group that does not fit what the earlier ones left is the next
+batch's first, and a later group of the window (``groups_per_batch``) that fits fills the rows' ends meanwhile.
 ``padded()``: one sequence per row, ``[groups_per_batch * G, max_length]``, for comparison. Either way a batch
 holds, per token position: every token leaf, ``segment_ids`` (0 on padding; the sequence's index in the batch + 1,
 so tokens of one row attend only within their segment), ``positions`` (within the sequence), ``loss_mask`` (the
@@ -455,7 +456,7 @@ def _ingest(static: RolloutConfig, state: RolloutState, groups: Groups) -> Rollo
 class BatchPlan(NamedTuple):
     """Which groups a batch takes and where their sequences go: ``slots`` int32[M] (group slots, queue order),
     ``taken`` bool[M], ``rows`` / ``columns`` int32[M, G] (each sequence's first token), ``advance`` int32[] (queue
-    positions the reader passes: the groups taken and the undeliverable ones before them), ``dropped_stale`` int32[]
+    positions the reader passes: all before the first deliverable group not taken), ``dropped_stale`` int32[]
     (stale groups among those passed). ``M`` is ``groups_per_batch``."""
 
     slots: Any
@@ -467,10 +468,11 @@ class BatchPlan(NamedTuple):
 
 
 def _plan(static: RolloutConfig, state: RolloutState) -> BatchPlan:
-    """The next batch: the oldest deliverable groups, up to groups_per_batch, and in a packed layout as many of those
-    as fit whole, in order (first fit, longest first within a group); the reader passes them and every undeliverable
-    group before the last one taken (a deliverable group at the head always fits an empty batch: the constructor
-    checks the layout holds one; with none taken nothing queued is deliverable, and the reader passes it all)."""
+    """The next batch: the oldest deliverable groups, up to groups_per_batch; in a packed layout each of them that
+    fits whole into what the earlier ones left (first fit, longest first within a group), so a later, shorter
+    group may fill the rows' ends while a longer one waits to be the next batch's first (the head of the queue always
+    fits an empty batch: the constructor checks the layout holds one group). The reader passes every group up to
+    the first deliverable one left behind; groups taken beyond it leave the live set, so none is delivered twice."""
     spec, batch = static.spec, static.groups_per_batch
     slots, queued = _queued(static, state)
     live = state.live[slots] & queued
@@ -485,8 +487,7 @@ def _plan(static: RolloutConfig, state: RolloutState) -> BatchPlan:
     if static.layout.name == "packed":
         order = jnp.argsort(-lengths, axis=1, stable=True)
 
-        def place_group(carry, group):
-            fill, open_ = carry
+        def place_group(fill, group):
             sizes, members = group
 
             def place_one(fill, size):
@@ -495,18 +496,19 @@ def _plan(static: RolloutConfig, state: RolloutState) -> BatchPlan:
                 return fill.at[row].add(jnp.where(fits[row], size, 0)), (row, fill[row], fits[row])
 
             trial, (row, column, fits) = lax.scan(place_one, fill, sizes[members])
-            ok = open_ & jnp.all(fits) & (sizes[0] > 0)
+            ok = jnp.all(fits) & (sizes[0] > 0)
             rows_of = jnp.zeros_like(row).at[members].set(row)
             columns_of = jnp.zeros_like(column).at[members].set(column)
-            return (jnp.where(ok, trial, fill), ok), (rows_of, columns_of, ok)
+            return jnp.where(ok, trial, fill), (rows_of, columns_of, ok)
 
-        start = (jnp.zeros((static.layout.rows,), jnp.int32), jnp.asarray(True))
-        _, (row, column, taken) = lax.scan(place_group, start, (lengths, order))
+        _, (row, column, taken) = lax.scan(place_group, jnp.zeros((static.layout.rows,), jnp.int32),
+                                           (lengths, order))
     else:
         row = jnp.arange(batch * spec.group_size, dtype=jnp.int32).reshape(batch, spec.group_size)
         column = jnp.zeros_like(row)
         taken = wanted
-    advance = jnp.where(jnp.any(taken), jnp.max(jnp.where(taken, pick, -1)) + 1, jnp.sum(queued.astype(jnp.int32)))
+    left = fresh & ~jnp.zeros_like(fresh).at[pick].set(taken)  # deliverable positions not taken now
+    advance = jnp.where(jnp.any(left), jnp.argmax(left), jnp.sum(queued.astype(jnp.int32)))
     passed = (jnp.arange(static.group_capacity) < advance) & queued
     return BatchPlan(chosen, taken, row.astype(jnp.int32), column.astype(jnp.int32), advance.astype(jnp.int32),
                      jnp.sum((passed & live & ~fresh).astype(jnp.int32)))
@@ -556,7 +558,9 @@ def _deliver(static: RolloutConfig, state: RolloutState, plan: BatchPlan):
         ids=jnp.stack([jnp.repeat(slots, group_size), jnp.repeat(state.generation[slots], group_size)], axis=1),
         rewards=rewards.reshape(-1), lengths=lengths, versions=jnp.repeat(state.version[slots], group_size),
         sequence_mask=mask, groups=count, valid=count > 0)
-    state = replace(state, read=state.read + plan.advance, delivered=state.delivered + count,
+    # a delivered group leaves the live set (it may sit past the reader, behind a group that did not fit)
+    live = state.live.at[jnp.where(taken, slots, static.group_capacity)].set(False, mode="drop")
+    state = replace(state, live=live, read=state.read + plan.advance, delivered=state.delivered + count,
                     dropped_stale=state.dropped_stale + plan.dropped_stale)
     return state, out
 
@@ -598,9 +602,13 @@ class HostQueue:
         queued[np.arange(self.read, self.written) % self.config.group_capacity] = True
         return queued & self.live
 
-    def retires_undelivered(self, lengths) -> int:
-        """How many undelivered groups an ingest of groups with these ``lengths`` [k, G] would retire."""
-        return int(np.sum(self._place(np.asarray(lengths))[1] & self.undelivered()))
+    def retires_undelivered(self, lengths, fresh_only: bool = False) -> int:
+        """How many undelivered groups (``fresh_only``: that are still fresh enough to deliver) an ingest of groups
+        with these ``lengths`` [k, G] would retire."""
+        retired = self._place(np.asarray(lengths))[1] & self.undelivered()
+        if fresh_only:
+            retired &= np.array([self._fresh(slot) for slot in range(self.config.group_capacity)])
+        return int(np.sum(retired))
 
     def ingest(self, lengths, versions) -> None:
         lengths, versions = np.asarray(lengths), np.asarray(versions)
@@ -632,31 +640,34 @@ class HostQueue:
         rows, columns = np.zeros((batch, size), np.int32), np.zeros((batch, size), np.int32)
         packed = config.layout.name == "packed"
         fill = np.zeros(config.layout.rows if packed else 1, np.int64)
-        wanted, advance, open_ = 0, 0, True
+        wanted, left = 0, None  # left: the first deliverable position not taken
         for position, q in enumerate(range(self.read, self.written)):
             slot = q % config.group_capacity
-            if wanted == batch:
-                break
             if not self._fresh(slot):
                 continue
+            if wanted == batch:
+                left = position if left is None else left
+                break
             slots[wanted] = slot
+            fits = True
             if packed:
                 trial, lengths = fill.copy(), self.length[slot]
                 for member in np.argsort(-lengths, kind="stable"):
-                    fits = np.flatnonzero(trial + lengths[member] <= config.layout.row_length)
-                    if fits.size == 0:
-                        open_ = False
+                    room = np.flatnonzero(trial + lengths[member] <= config.layout.row_length)
+                    if room.size == 0:
+                        fits = False
                         break
-                    rows[wanted, member], columns[wanted, member] = fits[0], trial[fits[0]]
-                    trial[fits[0]] += lengths[member]
-                if not open_:
-                    break
-                fill = trial
+                    rows[wanted, member], columns[wanted, member] = room[0], trial[room[0]]
+                    trial[room[0]] += lengths[member]
+                if fits:
+                    fill = trial
             else:
                 rows[wanted] = wanted * size + np.arange(size)
-            taken[wanted], advance, wanted = True, position + 1, wanted + 1
-        if not taken.any():
-            advance = self.written - self.read  # nothing deliverable: the reader passes everything queued
+            taken[wanted] = fits
+            if not fits and left is None:
+                left = position
+            wanted += 1
+        advance = self.written - self.read if left is None else left
         passed = [q % config.group_capacity for q in range(self.read, self.read + advance)]
         stale = sum(bool(self.live[slot]) and not self._fresh(slot) for slot in passed)
         return BatchPlan(slots, taken, rows, columns, np.int32(advance), np.int32(stale))
@@ -664,6 +675,7 @@ class HostQueue:
     def commit(self, plan: BatchPlan) -> int:
         """Record that a batch of ``plan`` was dispatched; returns its groups."""
         count = int(np.sum(plan.taken))
+        self.live[np.asarray(plan.slots)[np.asarray(plan.taken)]] = False
         self.read += int(plan.advance)
         self.delivered += count
         self.dropped_stale += int(plan.dropped_stale)
