@@ -217,7 +217,7 @@ def test_uniform_matches_one_local_plane(ray_cluster, tmp_path, actors):
     assert stats_lib.chi2_contingency(np.stack([counts, local])).pvalue > P_MIN
 
 
-@pytest.mark.parametrize("actors", [pytest.param(1, marks=pytest.mark.slow), 3])
+@pytest.mark.parametrize("actors", [pytest.param(1, marks=pytest.mark.slow), pytest.param(3, marks=pytest.mark.slow)])
 def test_prioritized_matches_one_local_plane(ray_cluster, tmp_path, actors):
     items, batches, alpha, beta = 45, 120, 0.7, 0.5
     sampler = samplers.prioritized(32, alpha=alpha, beta=beta)
@@ -245,6 +245,7 @@ def test_prioritized_matches_one_local_plane(ray_cluster, tmp_path, actors):
     assert stats_lib.chi2_contingency(np.stack([counts, local])).pvalue > P_MIN
 
 
+@pytest.mark.slow
 def test_priority_updates_route_to_their_actor(ray_cluster, tmp_path):
     sampler = samplers.prioritized(16, alpha=1.0, beta=0.4)
     with make(ray_cluster, tmp_path, sampler, 2, capacity=64, placement="PACK") as plane:
@@ -291,6 +292,7 @@ def test_save_and_restore(ray_cluster, tmp_path):
         check_rows(restored.sample())
 
 
+@pytest.mark.slow
 def test_a_killed_actor_restarts_from_its_checkpoint(ray_cluster, tmp_path):
     ray = ray_cluster
     sampler = samplers.prioritized(16, alpha=0.6, beta=0.4)
@@ -393,6 +395,7 @@ def test_a_durable_shard_loses_no_acknowledged_item_when_killed(ray_cluster, tmp
         assert len(logs) <= 3, logs  # segments a finished snapshot covers are gone
 
 
+@pytest.mark.slow
 def test_periodic_checkpoints_bound_the_loss(ray_cluster, tmp_path):
     ray = ray_cluster
     with make(ray_cluster, tmp_path, samplers.uniform(8), 1, capacity=64, checkpoint_every_items=20,

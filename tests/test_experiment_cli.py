@@ -235,6 +235,7 @@ def _run(args, timeout=120, **env):
                           env={**os.environ, "JAX_PLATFORMS": "cpu", **env})
 
 
+@pytest.mark.slow
 def test_placement_sweep_smoke(tmp_path):
     pytest.importorskip("matplotlib")
     stem = tmp_path / "ps"

@@ -46,7 +46,8 @@ def large_copies(hlo: str) -> list[str]:
     return found
 
 
-@pytest.mark.parametrize("sampler", SAMPLERS)
+@pytest.mark.parametrize("sampler", [pytest.param(name, marks=pytest.mark.slow) if name == "sequences_prioritized"
+                                     else name for name in SAMPLERS])
 def test_no_kernel_copies_the_ring_or_a_tree_level(sampler):
     plane = ExperienceDataPlane(SPEC, CAPACITY, SAMPLERS[sampler](), mesh=default_mesh(1))
     plane.ingest(batch(1000))

@@ -33,7 +33,8 @@ def _check_learned(result):
     assert stages["exposed"]["calls"] == result["learner_steps"]
 
 
-@pytest.mark.parametrize("schedule", ["sync", "adaptive"])  # overlap and deferred: their semantics in test_schedule
+# under the other schedules only with -m slow; their semantics are tested in test_schedule
+@pytest.mark.parametrize("schedule", ["sync", pytest.param("adaptive", marks=pytest.mark.slow)])
 def test_dqn_learns_cartpole(schedule):
     config = dqn.DQNConfig(total_env_steps=24_000, schedule=schedule, seed=0)
     result = dqn.make_train(config)(jax.random.key(config.seed))
@@ -43,7 +44,7 @@ def test_dqn_learns_cartpole(schedule):
     assert result["plane_stats"]["schedule"] == schedule
 
 
-@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("schedule", [SCHEDULES[0], *(pytest.param(s, marks=pytest.mark.slow) for s in SCHEDULES[1:])])
 def test_ppo_learns_cartpole(schedule):
     config = ppo.PPOConfig(total_env_steps=40_000, schedule=schedule, seed=0)
     result = ppo.make_train(config)(jax.random.key(config.seed))
@@ -52,6 +53,7 @@ def test_ppo_learns_cartpole(schedule):
     assert result["learner_steps"] == config.iterations * config.epochs * config.num_minibatches
 
 
+@pytest.mark.slow
 def test_dqn_n_step_learns_on_a_sharded_plane():
     """3-step targets from prioritized windows, on a plane sharded over 8 devices, learn CartPole.
 
@@ -70,6 +72,7 @@ def test_dqn_n_step_learns_on_a_sharded_plane():
     assert result["eval_return"] > 100, (result["eval_return"], result["curve"])
 
 
+@pytest.mark.slow
 def test_ppo_learns_on_a_sharded_plane():
     """PPO on a plane sharded over 8 devices, deferred, 4,096 env steps (8 iterations): seeds 0-3 end at train
     65-79, eval 215-463 (seed 0: 69, 298); the same runs with learning_rate 0 at train 22-23 (random play), eval
@@ -82,6 +85,7 @@ def test_ppo_learns_on_a_sharded_plane():
     assert result["eval_return"] > 150, (result["eval_return"], result["curve"])
 
 
+@pytest.mark.slow
 def test_sac_learns_pendulum():
     """SAC on continuous Pendulum (random play: about -1200 per episode; learned: -150 to -250)."""
     config = sac.SACConfig(total_env_steps=8_000, schedule="overlap")
@@ -112,6 +116,7 @@ def test_cartpole_random_play_baseline():
     assert abs(float(play(jax.random.key(0))) - RANDOM_CARTPOLE) < 4
 
 
+@pytest.mark.slow
 def test_pendulum_dynamics():
     env = envs.pendulum()
     obs, state = env.reset(jax.random.key(0))

@@ -571,6 +571,7 @@ def test_multi_agent_dqn_trains_on_the_conduit_buffer(ray_session):
         algo.stop()
 
 
+@pytest.mark.slow
 def test_sac_trains_with_conduit_buffers(ray_session):
     for deliver, buffer_type in (("episodes", "ConduitEpisodeReplayBuffer"),
                                  ("torch", "ConduitPrioritizedEpisodeReplayBuffer")):

@@ -241,6 +241,7 @@ def test_short_episodes_whose_unfitting_steps_hold_most_priority(cls):
         assert buffer.stats()["sample_kernels"] - kernels <= 25  # 20 batches
 
 
+@pytest.mark.slow
 def test_fitting_steps_with_almost_no_priority_are_joined_from_several_draws():
     """Steps 0 / 1 at 1e-4 / 4e-4: the steps that fit hold 0.025% of the mass, fewer than 32 fit even in the largest
     draw kernel, so the Conduit buffer joins the fitting steps of several (RLlib's buffer resamples ~4,000 times a
@@ -401,6 +402,7 @@ def test_sequence_batch_rows_start_at_uniformly_drawn_steps(cls):
 
 
 # -- the tool that runs RLlib's own test files on the Conduit classes ---------------------------------------------------
+@pytest.mark.slow
 def test_rllib_own_tests_tool_substitutes_every_buffer_class(tmp_path):
     """``experiments/rllib_own_tests.py`` runs a test file unmodified with the Conduit classes in RLlib's modules (a
     test file here stands for RLlib's: it checks which class each of its imports found)."""
