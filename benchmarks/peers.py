@@ -667,11 +667,11 @@ class Conduit(Contender):
         return sum(self.plane.engine.kernel_cache_sizes().values())
 
     def notes(self) -> dict[str, Any]:
-        from conduit_jax import engine
+        from conduit_jax import replay
 
         config = self.plane.config
         return {"row_bytes": config.layout.row_bytes, "shards": self.plane.num_shards,
-                "ingest_bucket_rows": engine.padded_rows(self.chunk, self.plane.num_shards, config.shard_capacity),
+                "ingest_bucket_rows": replay.padded_rows(self.chunk, self.plane.num_shards, config.shard_capacity),
                 "compile_counts": self.plane.compile_counts()}
 
     def release(self) -> None:

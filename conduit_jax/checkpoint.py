@@ -78,7 +78,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
-from conduit_jax import engine, functional, limits, replay, samplers, storage
+from conduit_jax import functional, limits, replay, samplers, storage
 from conduit_jax.errors import ConduitError, ConduitWarning, ConfigError
 from conduit_jax.spec import ExperienceSpec, leaf_name
 
@@ -264,7 +264,7 @@ def _delta_plan(base: _Lineage, counts, shard_cap: int) -> Optional[dict]:
 
 def _increment_rows(n: int, shard_cap: int) -> int:
     """Rows per shard of the kernel that copies an increment of ``n`` rows: at most 1/4 padding (rows cost a copy)."""
-    return engine.compile_size(n, steps_per_octave=4, limit=shard_cap)
+    return replay.compile_size(n, steps_per_octave=4, limit=shard_cap)
 
 
 def _write(handle: SaveHandle, plane, snapshot, meta, previous, max_to_keep, compress, start_time):

@@ -44,7 +44,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from conduit_jax import engine, limits, memory, replay, samplers, storage
+from conduit_jax import limits, memory, replay, samplers, storage
 from conduit_jax.errors import CapacityError, ConfigError, PriorityError
 from conduit_jax.limits import Limiter, Staleness
 from conduit_jax.placement import Plan
@@ -153,7 +153,7 @@ def make_buffer(spec, capacity: int, sampler: Optional[Sampler] = None, *, limit
 def bind(config: ReplayConfig, shardings) -> Buffer:
     """The ``Buffer`` of an already checked config and its state's shardings (``ExperienceDataPlane.buffer()``)."""
     sampler = config.sampler
-    state_types = engine.StateTypes.of(config)  # every function checks the state it is given against this
+    state_types = replay.StateTypes.of(config)  # every function checks the state it is given against this
 
     def init(seed: int = 0) -> ReplayState:
         if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool):
@@ -166,19 +166,19 @@ def bind(config: ReplayConfig, shardings) -> Buffer:
         if sampler.consumes and not isinstance(state.storage.cursor, jax.core.Tracer):
             # outside a trace a queue refuses what would overwrite undelivered items, as the plane does (inside one
             # nothing can be refused: check can_ingest first)
-            _refuse_overflow(int(replay.deliverable(config, engine.computable(state, shardings))), n)
+            _refuse_overflow(int(replay.deliverable(config, replay.computable(state, shardings))), n)
         batch = jax.tree_util.tree_map(jnp.asarray, batch)
-        state = engine.computable(state, shardings)
+        state = replay.computable(state, shardings)
         # one kernel writes at most a full ring per shard; a larger batch goes in chunks, in order
-        for start, count, rows in engine.ingest_chunks(n, config):
+        for start, count, rows in replay.ingest_chunks(n, config):
             chunk = jax.tree_util.tree_map(lambda leaf: _padded(leaf[start:start + count], rows), batch)
             state = replay.ingest(config, state, chunk, jnp.int32(count))
-        return engine.placed(state, shardings)
+        return replay.placed(state, shardings)
 
     def can_sample(state: ReplayState, batches: Optional[int] = None) -> jax.Array:
         state_types.check(state, "Buffer.can_sample()")
         replay.check_batches(config, batches, "Buffer.can_sample()")
-        return _can_sample(engine.computable(state, shardings), batches)
+        return _can_sample(replay.computable(state, shardings), batches)
 
     def can_ingest(state: ReplayState, n: int = 1) -> jax.Array:
         state_types.check(state, "Buffer.can_ingest()")
@@ -186,7 +186,7 @@ def bind(config: ReplayConfig, shardings) -> Buffer:
             raise ConfigError(f"Buffer.can_ingest(): n must be an int >= 1, got {n!r}")
         if not sampler.consumes:
             return jnp.asarray(True)
-        return replay.deliverable(config, engine.computable(state, shardings)) + n <= config.capacity
+        return replay.deliverable(config, replay.computable(state, shardings)) + n <= config.capacity
 
     def _refuse_overflow(pending: int, n: int) -> None:
         if pending + n > config.capacity:
@@ -206,7 +206,7 @@ def bind(config: ReplayConfig, shardings) -> Buffer:
     def sample(state: ReplayState, batches: Optional[int] = None) -> tuple[ReplayState, Delivery]:
         state_types.check(state, "Buffer.sample()")
         replay.check_batches(config, batches, "Buffer.sample()")
-        state = engine.computable(state, shardings)
+        state = replay.computable(state, shardings)
         valid = _can_sample(state, batches)
         new_state, delivery = replay.sample(config, state, batches)
         # a refused draw changes nothing: every counter of the state stays as it was (storage is never written here)
@@ -215,7 +215,7 @@ def bind(config: ReplayConfig, shardings) -> Buffer:
         new_state = rest.replace(storage=state.storage)
         ids = jnp.where(valid, delivery.ids, -1)
         weights = None if delivery.weights is None else jnp.where(valid, delivery.weights, 0.0)
-        return engine.placed(new_state, shardings), delivery._replace(ids=ids, weights=weights, valid=valid)
+        return replay.placed(new_state, shardings), delivery._replace(ids=ids, weights=weights, valid=valid)
 
     def update(state: ReplayState, ids, priorities) -> ReplayState:
         if sampler.update is None:
@@ -233,16 +233,16 @@ def bind(config: ReplayConfig, shardings) -> Buffer:
         # range) and priorities that are NaN, infinite or negative are skipped, and the rest applies
         valid = ((ids[:, 0] >= 0) & (ids[:, 0] < config.capacity) & (ids[:, 1] >= 1) & jnp.isfinite(priorities)
                  & (priorities >= 0))
-        computable = engine.computable(state, shardings)
+        computable = replay.computable(state, shardings)
         new_sampler = replay.update(config, computable, ids, priorities, valid)
-        return engine.placed(state.replace(sampler=new_sampler), shardings)
+        return replay.placed(state.replace(sampler=new_sampler), shardings)
 
     def set_policy_version(state: ReplayState, version) -> ReplayState:
         state_types.check(state, "Buffer.set_policy_version()")
         version = _checked_version(version)
-        new_state = replay.set_policy_version(config, engine.computable(state, shardings),
+        new_state = replay.set_policy_version(config, replay.computable(state, shardings),
                                               jnp.maximum(version, state.policy_version))  # versions never go back
-        return engine.placed(new_state, shardings)
+        return replay.placed(new_state, shardings)
 
     def retire(state: ReplayState, ids) -> ReplayState:
         if sampler.retire is None:
@@ -251,8 +251,8 @@ def bind(config: ReplayConfig, shardings) -> Buffer:
         state_types.check(state, "Buffer.retire()")
         ids = _checked_ids(ids, "Buffer.retire()")
         valid = (ids[:, 0] >= 0) & (ids[:, 0] < config.capacity) & (ids[:, 1] >= 1)
-        new_sampler = replay.retire(config, engine.computable(state, shardings), ids, valid)
-        return engine.placed(state.replace(sampler=new_sampler), shardings)
+        new_sampler = replay.retire(config, replay.computable(state, shardings), ids, valid)
+        return replay.placed(state.replace(sampler=new_sampler), shardings)
 
     def read(state: ReplayState, rows):
         state_types.check(state, "Buffer.read()")
@@ -261,11 +261,11 @@ def bind(config: ReplayConfig, shardings) -> Buffer:
             raise ConfigError(f"Buffer.read(): rows must be a 1-d integer array (ids[:, 0]), got "
                               f"{rows.dtype}{list(rows.shape)}")
         _refuse_wider_than_int32(rows, "rows", "Buffer.read()", ConfigError)
-        return replay.read(config, engine.computable(state, shardings), jnp.asarray(rows, jnp.int32))
+        return replay.read(config, replay.computable(state, shardings), jnp.asarray(rows, jnp.int32))
 
     def size(state: ReplayState) -> jax.Array:
         state_types.check(state, "Buffer.size()")
-        return replay.size(config, engine.computable(state, shardings))
+        return replay.size(config, replay.computable(state, shardings))
 
     return Buffer(config, shardings, init, ingest, sample, update, can_sample, size, set_policy_version,
                   retire, read, functools.partial(replay.item_ids, config), can_ingest)
@@ -326,7 +326,6 @@ def check_plan(plan, config: Optional[ReplayConfig], where: str = "ExperienceDat
                           f"{config.layout.row_bytes}-byte rows; plan for this spec and capacity")
 
 
-MAX_CAPACITY = 2**31 - 1  # items one buffer holds at most: row ids and counters are int32
 
 
 def check_config(config: ReplayConfig, capacity, where: str = "ExperienceDataPlane()") -> None:
@@ -373,6 +372,6 @@ def check_config(config: ReplayConfig, capacity, where: str = "ExperienceDataPla
                 spec.shapes[spec.names.index(staleness.key)] != ():
             raise ConfigError(f"{where}: staleness needs a per-item int32 leaf '{staleness.key}' (the "
                               f"policy version each item was produced with); the spec is {spec}")
-    if capacity > MAX_CAPACITY:
-        raise ConfigError(f"{where}: capacity must be below 2**31 (int32 row ids: at most {MAX_CAPACITY:,}), got "
+    if capacity > replay.MAX_CAPACITY:
+        raise ConfigError(f"{where}: capacity must be below 2**31 (int32 row ids: at most {replay.MAX_CAPACITY:,}), got "
                           f"{capacity:,}")

@@ -416,3 +416,106 @@ def status(config: ReplayConfig, state: ReplayState) -> dict[str, jax.Array]:
     out["policy_version"] = state.policy_version
     out["stale_draws"] = state.stale_draws
     return out
+
+
+# -- pieces every caller of these steps shares: the padding rule, placement inside a kernel, state checks -----------
+MAX_CAPACITY = 2**31 - 1  # items one buffer holds at most: row ids and counters are int32
+
+
+def compile_size(n: int, *, steps_per_octave: int = 1, multiple: int = 1, limit: Optional[int] = None) -> int:
+    """The size a kernel is compiled for to take ``n`` rows: the one padding rule of every caller.
+
+    ``n`` rounded up to one of ``steps_per_octave`` evenly spaced sizes in its octave (1: the next power of two; 8:
+    at most 1/8 padding), then to a multiple of ``multiple``, at most ``limit``. Few distinct sizes keep a varying
+    ``n`` from compiling a kernel per call. Writes pad with rows that are dropped and cost nothing (coarse steps);
+    work that costs per row (draws, checkpoint increments) takes finer ones."""
+    n = max(int(n), 1)
+    quantum = max(1, (1 << (n - 1).bit_length()) // (2 * steps_per_octave))
+    size = max(-(-n // quantum) * quantum, multiple)
+    size += (-size) % multiple
+    return size if limit is None else min(size, limit)
+
+
+def padded_rows(n: int, num_shards: int, shard_capacity: int) -> int:
+    """Rows of the kernel that writes an ``n``-item chunk: ``num_shards`` times a power of two, at most a ring."""
+    return num_shards * compile_size(-(-n // num_shards), limit=shard_capacity)
+
+
+def ingest_chunks(n: int, config: ReplayConfig) -> list[tuple[int, int, int]]:
+    """``(start, count, rows)`` for each kernel call that writes an ``n``-item batch: one call writes at most a full
+    ring per shard, and its batch is padded to ``rows = padded_rows(count)``."""
+    return [(start, min(config.capacity, n - start),
+             padded_rows(min(config.capacity, n - start), config.num_shards, config.shard_capacity))
+            for start in range(0, n, config.capacity)]
+
+
+def computable(state, shardings):
+    """Inside a kernel: leaves placed in ``pinned_host`` memory moved to ``device`` memory (XLA computes on host memory
+    only inside a host computation), except the ring: ``storage`` reads and writes ``state.storage.rows`` where it
+    lives (``storage.where_rows_live``), so a ring in host memory never crosses, only batches do. What moves is the
+    rest: counters, and the sampler's index where a plan puts it on the host (the planner prices that move and keeps
+    the index in device memory where it fits). Leaves in ``device`` or ``unpinned_host`` memory are used where they
+    are."""
+    def move(leaf, sharding):
+        if getattr(sharding, "memory_kind", None) != "pinned_host":
+            return leaf
+        return jax.device_put(leaf, sharding.with_memory_kind("device"))
+
+    return _except_rows(move, state, shardings)
+
+
+def placed(state, shardings):
+    """Inside a kernel: the leaves that ``computable`` moved put back in their memory kind, so a state returned from
+    a jitted step (or carried by ``lax.scan``) keeps its placement. (Inside a jit, JAX 0.10 does not place a result
+    in ``unpinned_host`` memory: only a jit's ``out_shardings`` does, as the engine's kernels and the functional
+    API's documentation have it.)"""
+    def back(leaf, sharding):
+        if getattr(sharding, "memory_kind", None) != "pinned_host":
+            return leaf
+        return jax.device_put(leaf, sharding)
+
+    return _except_rows(back, state, shardings)
+
+
+def _except_rows(fn, state, shardings):
+    """``fn(leaf, sharding)`` over every leaf of ``state`` but the ring's rows, which stay as they are. Called outside
+    a jit (a functional-API call run eagerly) the rows go through ``fn`` too: an eager ``shard_map`` cannot move
+    arrays between memory kinds, so there a host ring is read through a device copy (jit the call to avoid it)."""
+    if not isinstance(state.storage.rows, jax.core.Tracer):
+        return jax.tree_util.tree_map(fn, state, shardings)
+
+    def without_rows(tree):
+        return dataclasses.replace(tree, storage=dataclasses.replace(tree.storage, rows=None))
+
+    moved = jax.tree_util.tree_map(fn, without_rows(state), without_rows(shardings))
+    return dataclasses.replace(moved, storage=dataclasses.replace(moved.storage, rows=state.storage.rows))
+
+
+class StateTypes(NamedTuple):
+    """What a state of one configuration looks like: its structure and each leaf's (shape, dtype)."""
+
+    leaves: list
+    treedef: Any
+
+    @classmethod
+    def of(cls, config: ReplayConfig) -> "StateTypes":
+        abstract_leaves, treedef = jax.tree_util.tree_flatten(jax.eval_shape(functools.partial(init, config, 0)))
+        return cls([(leaf.shape, leaf.dtype) for leaf in abstract_leaves], treedef)
+
+    def check(self, tree, where: str = "state") -> list:
+        """The leaves of ``tree``; ConfigError unless it is a state of this configuration (structure, shapes and
+        dtypes; works on tracers too). Cheap when it is (a fused loop passes the state on every step)."""
+        if not isinstance(tree, ReplayState):
+            raise ConfigError(f"{where}: state must be a ReplayState (from buffer.init() or plane.state), got "
+                              f"{type(tree).__name__}")
+        leaves, treedef = jax.tree_util.tree_flatten(tree)
+        if treedef != self.treedef:
+            raise ConfigError(f"{where}: expected a ReplayState of this buffer's configuration, {self.treedef}; got "
+                              f"{treedef} (a state of another sampler or spec?)")
+        for index, (leaf, (shape, dtype)) in enumerate(zip(leaves, self.leaves)):
+            if getattr(leaf, "shape", None) != shape or getattr(leaf, "dtype", None) != dtype:
+                path = jax.tree_util.keystr(jax.tree_util.tree_flatten_with_path(tree)[0][index][0])
+                raise ConfigError(f"{where}: leaf {path} must be {dtype}{list(shape)}, got "
+                                  f"{getattr(leaf, 'dtype', None)}{list(np.shape(leaf))} (a state of another "
+                                  f"capacity, spec, sampler or mesh?)")
+        return leaves

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conduit_jax import engine
+from conduit_jax import replay
 from conduit_jax import (CapacityError, ConduitError, ConfigError, ExperienceDataPlane, ExperienceSpec,
                          NotEnoughDataError, SpecError, default_mesh, make_buffer, samplers, schedule, storage)
 
@@ -80,7 +80,7 @@ SAME_BUCKET = {1: (17, 23, 29), 8: (41, 47, 53)}
 def test_no_recompilation_on_later_calls(mesh, to_device):
     plane = ExperienceDataPlane(SPEC, 64, samplers.uniform(16), mesh=mesh)
     sizes = SAME_BUCKET[plane.num_shards]
-    buckets = {engine.padded_rows(n, plane.num_shards, plane.config.shard_capacity) for n in sizes}
+    buckets = {replay.padded_rows(n, plane.num_shards, plane.config.shard_capacity) for n in sizes}
     assert len(buckets) == 1
     batches = [batch(0, n) for n in sizes]
     if to_device:

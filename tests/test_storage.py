@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conduit_jax import ExperienceDataPlane, ExperienceSpec, engine, replay, samplers, storage
+from conduit_jax import ExperienceDataPlane, ExperienceSpec, replay, samplers, storage
 from conduit_jax.replay import default_mesh
 from conduit_jax.spec import SUPPORTED_DTYPES
 
@@ -280,21 +280,21 @@ def test_generation_and_count():
     (1000, 8, 16, 16), (3, 1, 6, 4), (5, 1, 6, 6),
 ])
 def test_ingest_rows_per_shard(n, shards, shard_capacity, k):
-    assert engine.padded_rows(n, shards, shard_capacity) == shards * k
+    assert replay.padded_rows(n, shards, shard_capacity) == shards * k
 
 
 def test_compile_sizes_one_rule_for_every_caller():
-    """engine.compile_size: powers of two for writes, finer steps for per-row work, a multiple of the shard count."""
-    assert [engine.compile_size(n) for n in (1, 2, 3, 5, 8, 9, 1000)] == [1, 2, 4, 8, 8, 16, 1024]
+    """replay.compile_size: powers of two for writes, finer steps for per-row work, a multiple of the shard count."""
+    assert [replay.compile_size(n) for n in (1, 2, 3, 5, 8, 9, 1000)] == [1, 2, 4, 8, 8, 16, 1024]
     for steps, padding in ((4, 1 / 4), (8, 1 / 8)):
-        sizes = {engine.compile_size(n, steps_per_octave=steps) for n in range(1, 1025)}
+        sizes = {replay.compile_size(n, steps_per_octave=steps) for n in range(1, 1025)}
         assert len(sizes) <= 2 * steps + steps * 10
         for n in range(2 * steps, 4000):
-            assert n <= engine.compile_size(n, steps_per_octave=steps) < n + n * padding
-    assert [engine.compile_size(n, steps_per_octave=8) for n in (17, 63, 65, 66, 100)] == [18, 64, 72, 72, 104]
-    assert [engine.compile_size(n, steps_per_octave=8, multiple=4) for n in (1, 5, 9, 65)] == [4, 8, 12, 72]
-    assert engine.compile_size(5, steps_per_octave=8, multiple=3) == 6
-    assert engine.compile_size(100, limit=64) == 64
+            assert n <= replay.compile_size(n, steps_per_octave=steps) < n + n * padding
+    assert [replay.compile_size(n, steps_per_octave=8) for n in (17, 63, 65, 66, 100)] == [18, 64, 72, 72, 104]
+    assert [replay.compile_size(n, steps_per_octave=8, multiple=4) for n in (1, 5, 9, 65)] == [4, 8, 12, 72]
+    assert replay.compile_size(5, steps_per_octave=8, multiple=3) == 6
+    assert replay.compile_size(100, limit=64) == 64
 
 
 # -- rings through the plane: hand-computed positions ----------------------------------------------------------------

@@ -50,7 +50,7 @@ from ray.rllib.evaluation.postprocessing import Postprocessing
 from ray.rllib.policy.sample_batch import MultiAgentBatch, SampleBatch
 
 from conduit_jax import ExperienceDataPlane, ExperienceSpec, default_mesh, samplers
-from conduit_jax.engine import compile_size
+from conduit_jax.replay import compile_size
 from conduit_rllib.dlpack import jax_to_torch, torch_to_jax
 
 _MIN_BUCKET = 256

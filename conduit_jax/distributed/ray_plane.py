@@ -61,7 +61,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from conduit_jax.errors import ConduitError, ConduitWarning, ConfigError, NotEnoughDataError, PriorityError
-from conduit_jax.engine import compile_size
+from conduit_jax.replay import compile_size
 from conduit_jax.replay import Delivery
 from conduit_jax.spec import ExperienceSpec, checked_priorities
 
@@ -113,7 +113,7 @@ def route(node_id: Optional[str], actor_nodes: Sequence[Optional[str]], alive: S
 
 def _draws(n: int, shards: int) -> int:
     """Draws the shard's compiled sample kernel makes for a share of ``n``, a multiple of the plane's device shards:
-    at most 8 compiled sizes per octave, under 1/8 of the draws wasted (``engine.compile_size``). A shard's share of a
+    at most 8 compiled sizes per octave, under 1/8 of the draws wasted (``replay.compile_size``). A shard's share of a
     stratified split moves by a couple of items from batch to batch, so it keeps to one or two compiled sizes."""
     return compile_size(n, steps_per_octave=8, multiple=shards)
 

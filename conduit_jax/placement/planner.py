@@ -360,7 +360,7 @@ def plan(spec, capacity: int, topology: Topology, workload: Optional[Workload] =
                              f"Topology.load(...)), got {type(topology).__name__}")
     if not isinstance(workload, Workload):
         raise PlacementError(f"plan(): workload must be a placement.Workload, got {type(workload).__name__}")
-    from conduit_jax.functional import MAX_CAPACITY
+    from conduit_jax.replay import MAX_CAPACITY
 
     if not isinstance(capacity, int) or isinstance(capacity, bool) or not 1 <= capacity <= MAX_CAPACITY:
         raise PlacementError(f"plan(): capacity must be an int in [1, {MAX_CAPACITY:,}] (a plane's row ids are "
@@ -891,7 +891,7 @@ def build_parser(parser: Optional[argparse.ArgumentParser] = None) -> argparse.A
 
 def run_cli(args: argparse.Namespace) -> int:
     try:
-        from conduit_jax.functional import MAX_CAPACITY
+        from conduit_jax.replay import MAX_CAPACITY
 
         if args.capacity > MAX_CAPACITY:
             raise PlacementError(f"--capacity must be at most {MAX_CAPACITY:,} (a plane's row ids are int32), got "
