@@ -119,6 +119,25 @@ class CompileScope:
         return False
 
 
+def compiled(fn, name: str, counter: Optional[collections.Counter] = None, **jit_options):
+    """``jax.jit(fn, **jit_options)`` for a kernel that runs outside an engine's state (a transform a framework
+    adapter applies to its own batches, e.g. ``transforms.gae``), with its XLA compilations counted under ``name`` in
+    ``counter`` (default: ``COMPILES``), so a steady-state check covers it as it covers the engines' kernels."""
+    jitted = jax.jit(fn, **jit_options)
+    counter = COMPILES if counter is None else counter
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        with CompileScope(counter, name):
+            return jitted(*args, **kwargs)
+
+    call.jitted = jitted
+    return call
+
+
+COMPILES: collections.Counter = collections.Counter()  # compilations of the kernels ``compiled`` built, by name
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # priority updates travel as one array
 # ------------------------------------------------------------------------------------------------------------------

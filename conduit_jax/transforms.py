@@ -3,6 +3,9 @@
 ``n_step`` turns padded windows (``samplers.sequences(..., pad=True, length=n)``) into n-step transitions with
 correct bootstrapping: accumulation stops at the first episode end; after a termination there is no bootstrap
 (discount 0), after a truncation the learner bootstraps from that step's ``next_obs``.
+
+``gae`` computes generalized advantage estimates and value targets over a rollout laid out as one time-ordered
+column (episodes one after another, as RLlib's PPO batches them), with an associative scan (depth log n).
 """
 
 from __future__ import annotations
@@ -19,22 +22,22 @@ from conduit_jax.errors import ConfigError, SpecError
 _WHERE = "transforms.n_step()"
 
 
-def _checked_gamma(gamma):
+def _checked_gamma(gamma, where: str = _WHERE, name: str = "gamma"):
     """``gamma`` when it is a finite number in [0, 1] (a Python or NumPy real, or a real JAX scalar: a traced one
     is checked for its shape and dtype only), else a ConfigError naming it."""
     if isinstance(gamma, jax.Array) or (isinstance(gamma, np.ndarray) and gamma.shape == ()):
         if gamma.shape != () or not (jnp.issubdtype(gamma.dtype, jnp.floating) or
                                      jnp.issubdtype(gamma.dtype, jnp.integer)):
-            raise ConfigError(f"{_WHERE}: gamma must be a real scalar in [0, 1], got {gamma.dtype}{list(gamma.shape)}")
+            raise ConfigError(f"{where}: {name} must be a real scalar in [0, 1], got {gamma.dtype}{list(gamma.shape)}")
         if isinstance(gamma, jax.core.Tracer):
             return gamma
         value = float(gamma)
     elif isinstance(gamma, (int, float, np.integer, np.floating)) and not isinstance(gamma, (bool, np.bool_)):
         value = float(gamma)
     else:
-        raise ConfigError(f"{_WHERE}: gamma must be a finite number in [0, 1], got {type(gamma).__name__} {gamma!r}")
+        raise ConfigError(f"{where}: {name} must be a finite number in [0, 1], got {type(gamma).__name__} {gamma!r}")
     if not math.isfinite(value) or not 0.0 <= value <= 1.0:
-        raise ConfigError(f"{_WHERE}: gamma must be a finite number in [0, 1], got {gamma!r}")
+        raise ConfigError(f"{where}: {name} must be a finite number in [0, 1], got {gamma!r}")
     return gamma
 
 
@@ -125,3 +128,44 @@ def n_step(data, mask, gamma: float, *, reward: str = "reward", terminated: str 
     ended = out[terminated].astype(jnp.float32)
     out["discount"] = jnp.power(jnp.float32(gamma), count.astype(jnp.float32)) * (1.0 - ended)
     return out
+
+
+def gae(values, rewards, terminateds, truncateds, n=None, *, gamma: float, lambda_: float, standardize: bool = True):
+    """Advantages and value targets of a rollout in one time-ordered column: ``values``, ``rewards``,
+    ``terminateds``, ``truncateds`` [T] (row t: the step taken at time t, its value estimate and whether the episode
+    ended there), the first ``n`` rows valid (None: all; the rest padding, returned as 0).
+
+    ``delta_t = r_t + gamma * (1 - terminated_t) * V_{t+1} - V_t`` and ``A_t = delta_t + gamma * lambda * (1 -
+    terminated_t) * (1 - truncated_t) * A_{t+1}``: nothing flows back across an episode's end, and a truncated step
+    keeps its bootstrap from the next row's value, which is how RLlib's ``compute_value_targets`` treats the
+    batches its connector lays out. Returns ``(advantages, targets)`` with ``targets = A + V``; ``standardize``
+    rescales the advantages over the valid rows to mean 0 and standard deviation 1 (the deviation at least 1e-4),
+    as RLlib's PPO does."""
+    where = "transforms.gae()"
+    _checked_gamma(gamma, where)
+    _checked_gamma(lambda_, where, "lambda_")
+    size = values.shape[0]
+    n = size if n is None else n
+    steps = jax.lax.iota(jnp.int32, size)
+    valid = steps < n
+    values = jnp.where(valid, values.astype(jnp.float32), 0.0)
+    non_terminal = 1.0 - terminateds.astype(jnp.float32)
+    propagate = non_terminal * (1.0 - truncateds.astype(jnp.float32))
+    next_values = jnp.where(steps < n - 1, jnp.roll(values, -1), 0.0)
+    delta = jnp.where(valid, rewards.astype(jnp.float32) + gamma * non_terminal * next_values - values, 0.0)
+    factor = jnp.where(valid, gamma * lambda_ * propagate, 0.0)
+
+    # A_t = delta_t + factor_t * A_{t+1}: compose the affine maps x -> d + c x from the end of the column
+    def compose(first, then):
+        (c1, d1), (c2, d2) = first, then
+        return c1 * c2, d2 + c2 * d1
+
+    _, advantages = jax.lax.associative_scan(compose, (factor[::-1], delta[::-1]))
+    advantages = advantages[::-1]
+    targets = advantages + values
+    if standardize:
+        count = jnp.maximum(n, 1).astype(jnp.float32)
+        mean = jnp.sum(jnp.where(valid, advantages, 0.0)) / count
+        std = jnp.sqrt(jnp.sum(jnp.where(valid, (advantages - mean) ** 2, 0.0)) / count)
+        advantages = jnp.where(valid, (advantages - mean) / jnp.maximum(1e-4, std), 0.0)
+    return advantages, targets

@@ -6,9 +6,9 @@ code is unchanged) changes two steps of ``Learner.update`` and keeps the rest:
 1. **GAE in JAX.** RLlib's ``GeneralAdvantageEstimation`` connector piece (a NumPy loop over the batch) is replaced
    by ``ConduitGAE``, appended at the same place after RLlib's own pieces: it runs the value head (torch, no grad),
    hands values, rewards and episode-boundary flags to JAX through DLPack (zero-copy: fresh, aligned tensors), runs
-   the GAE recursion as an associative scan (O(log n) depth, batch padded to a power of two so sizes do not
-   recompile) and hands advantages (standardised like RLlib does) and value targets back to torch through DLPack
-   (zero-copy). The maths is RLlib's ``compute_value_targets`` (same boundary conventions as
+   the core's ``transforms.gae`` (an associative scan, O(log n) depth; compiled by ``engine.compiled``, the batch
+   padded to a power of two so sizes do not recompile) and hands advantages (standardised like RLlib does) and value
+   targets back to torch through DLPack (zero-copy). The maths is RLlib's ``compute_value_targets`` (same boundary conventions as
    ``AddOneTsToEpisodesAndTruncate``).
 2. **Epoch minibatches from the plane.** Instead of RLlib's ``MiniBatchCyclicIterator`` (slices and per-epoch
    shuffles of torch tensors), the finished train batch is ingested into an ``ExperienceDataPlane`` with
@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 import math
 import time
 
@@ -40,7 +39,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
-from jax import lax
 from ray.rllib.algorithms.ppo.torch.ppo_torch_learner import PPOTorchLearner
 from ray.rllib.connectors.connector_v2 import ConnectorV2
 from ray.rllib.connectors.learner.general_advantage_estimation import GeneralAdvantageEstimation
@@ -49,7 +47,7 @@ from ray.rllib.core.rl_module.apis.value_function_api import ValueFunctionAPI
 from ray.rllib.evaluation.postprocessing import Postprocessing
 from ray.rllib.policy.sample_batch import MultiAgentBatch, SampleBatch
 
-from conduit_jax import ExperienceDataPlane, ExperienceSpec, default_mesh, samplers
+from conduit_jax import ExperienceDataPlane, ExperienceSpec, default_mesh, engine, samplers, transforms
 from conduit_jax.replay import compile_size
 from conduit_rllib.dlpack import jax_to_torch, torch_to_jax
 
@@ -61,33 +59,8 @@ def _bucket(n: int) -> int:
     return compile_size(max(n, _MIN_BUCKET))
 
 
-@functools.partial(jax.jit, static_argnames=("gamma", "lambda_"))
-def gae(values, rewards, terminateds, truncateds, n, *, gamma: float, lambda_: float):
-    """RLlib's ``compute_value_targets`` + advantage standardisation on the first ``n`` rows of padded columns.
-
-    Returns (standardised advantages, value targets), padded like the inputs."""
-    size = values.shape[0]
-    valid = lax.iota(jnp.int32, size) < n
-    values = jnp.where(valid, values.astype(jnp.float32), 0.0)
-    non_terminal = 1.0 - terminateds.astype(jnp.float32)
-    propagate = non_terminal * (1.0 - truncateds.astype(jnp.float32))
-    next_values = jnp.where(lax.iota(jnp.int32, size) < n - 1, jnp.roll(values, -1), 0.0)
-    delta = jnp.where(valid, rewards.astype(jnp.float32) + gamma * non_terminal * next_values - values, 0.0)
-    factor = jnp.where(valid, gamma * lambda_ * propagate, 0.0)
-
-    # a_t = delta_t + factor_t * a_{t+1}: compose the affine maps x -> d + c x from the end of the batch
-    def compose(first, then):
-        (c1, d1), (c2, d2) = first, then
-        return c1 * c2, d2 + c2 * d1
-
-    _, advantages = lax.associative_scan(compose, (factor[::-1], delta[::-1]))
-    advantages = advantages[::-1]
-    targets = advantages + values
-    count = jnp.maximum(n, 1).astype(jnp.float32)
-    mean = jnp.sum(jnp.where(valid, advantages, 0.0)) / count
-    std = jnp.sqrt(jnp.sum(jnp.where(valid, (advantages - mean) ** 2, 0.0)) / count)
-    standardised = jnp.where(valid, (advantages - mean) / jnp.maximum(1e-4, std), 0.0)
-    return standardised, targets
+# RLlib's ``compute_value_targets`` + advantage standardisation on the first ``n`` rows of padded columns
+gae = engine.compiled(transforms.gae, "rllib_gae", static_argnames=("gamma", "lambda_", "standardize"))
 
 
 def _padded(tensor: torch.Tensor, size: int, dtype: torch.dtype) -> torch.Tensor:
@@ -206,7 +179,7 @@ def _epoch_kernel(plane: ExperienceDataPlane, per_epoch: int):
         state, delivery = step(state)
         return state, delivery.data
 
-    return jax.jit(epoch, donate_argnums=0)
+    return engine.compiled(epoch, "ppo_epoch", donate_argnums=0)
 
 
 class ConduitPPOTorchLearner(PPOTorchLearner):
