@@ -78,7 +78,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
-from conduit_jax import functional, limits, replay, samplers, storage
+from conduit_jax import engine, functional, limits, replay, samplers, storage
 from conduit_jax.errors import ConduitError, ConduitWarning, ConfigError
 from conduit_jax.spec import ExperienceSpec, leaf_name
 
@@ -381,7 +381,8 @@ def _plane_kernels(plane) -> dict:
     if cached is not None and cached["config"] is plane.config and cached["shardings"] is plane.shardings:
         return cached
     config, shardings = plane.config, plane.shardings
-    copy = jax.jit(lambda state: jax.tree_util.tree_map(jnp.copy, state), out_shardings=shardings)
+    copy = engine.compiled(lambda state: jax.tree_util.tree_map(jnp.copy, state), "checkpoint_copy",
+                           out_shardings=shardings)
     abstract = jax.tree_util.tree_map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                                       _abstract_state(plane.config), shardings)
     copy_ready = []
@@ -414,7 +415,8 @@ def _plane_kernels(plane) -> dict:
                 return {"state": jax.tree_util.tree_map(jnp.copy, small),
                         "delta": extract(state.storage.rows, start, count)}
 
-            kernel = jax.jit(kernel, out_shardings={"state": small_shardings,
+            kernel = engine.compiled(kernel, "checkpoint_delta",
+                                     out_shardings={"state": small_shardings,
                                                     "delta": NamedSharding(config.mesh, spec_axes)})
             deltas[rows_per_shard] = kernel
         return kernel
@@ -718,12 +720,14 @@ def _in_ring_units(rows, layout):
     """Saved rows in the ring's element type (NumPy: a view; on the device: one conversion, for older steps only)."""
     if rows.dtype == layout.ring_dtype or isinstance(rows, np.ndarray):
         return layout.to_ring(rows)
-    return jax.jit(layout.to_ring, out_shardings=rows.sharding)(rows)
+    return engine.compiled(layout.to_ring, "checkpoint_to_ring", out_shardings=rows.sharding)(rows)
 
 
-@functools.partial(jax.jit, donate_argnums=(0,))
-def _scatter_rows(rows, at, block):
+def _scatter(rows, at, block):
     return rows.at[at].set(block, mode="drop")
+
+
+_scatter_rows = engine.compiled(_scatter, "checkpoint_scatter", donate_argnums=(0,))
 
 
 def _relayout(old: dict, config, saved_shards: int, saved_streams: int, targets: dict, where: str) -> dict:
@@ -780,7 +784,8 @@ def _slot_order_to_ring_rows_kernel(config):
         return rows.at[config.ring_row(lax.iota(jnp.int32, config.shard_capacity))].set(rows, unique_indices=True)
 
     move = jax.shard_map(move, mesh=config.mesh, in_specs=spec_axes, out_specs=spec_axes, check_vma=False)
-    return jax.jit(move, donate_argnums=(0,), out_shardings=NamedSharding(config.mesh, spec_axes))
+    return engine.compiled(move, "checkpoint_relayout", donate_argnums=(0,),
+                           out_shardings=NamedSharding(config.mesh, spec_axes))
 
 
 @functools.lru_cache(maxsize=32)
@@ -794,7 +799,8 @@ def _apply_delta_kernel(config, rows_per_shard: int):
         return rows.at[at].set(delta, mode="drop")
 
     apply = jax.shard_map(apply, mesh=config.mesh, in_specs=(spec_axes,) * 4, out_specs=spec_axes, check_vma=False)
-    return jax.jit(apply, donate_argnums=(0,), out_shardings=NamedSharding(config.mesh, spec_axes))
+    return engine.compiled(apply, "checkpoint_apply_delta", donate_argnums=(0,),
+                           out_shardings=NamedSharding(config.mesh, spec_axes))
 
 
 def _unflatten_like(template, arrays: dict, where: str):

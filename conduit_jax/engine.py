@@ -131,7 +131,7 @@ def compiled(fn, name: str, counter: Optional[collections.Counter] = None, **jit
         with CompileScope(counter, name):
             return jitted(*args, **kwargs)
 
-    call.jitted = jitted
+    call.jitted, call.lower = jitted, jitted.lower  # lower(...).compile(): compiled ahead, e.g. outside a lock
     return call
 
 

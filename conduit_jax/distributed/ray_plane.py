@@ -61,8 +61,8 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from conduit_jax.errors import ConduitError, ConduitWarning, ConfigError, NotEnoughDataError, PriorityError
-from conduit_jax.replay import compile_size
-from conduit_jax.replay import Delivery
+from conduit_jax import engine
+from conduit_jax.replay import Delivery, compile_size
 from conduit_jax.spec import ExperienceSpec, checked_priorities
 
 SUPPORTED_SAMPLERS = ("uniform", "prioritized")
@@ -217,7 +217,6 @@ class ShardServer:
 
     # -- kernels -------------------------------------------------------------------------------------------------
     def _build_kernels(self) -> None:
-        import jax
         import jax.numpy as jnp
         from jax import lax
 
@@ -241,7 +240,7 @@ class ShardServer:
             ignored = getattr(state.sampler, "ignored_updates", jnp.zeros((), jnp.int32))
             return mass, size, ignored
 
-        self._status_kernel = jax.jit(status)
+        self._status_kernel = engine.compiled(status, "shard_status")
         deliver = functools.partial(plane.engine.reading_kernel, num_outputs=3, delivery=True)
 
         def make(k: int):
@@ -657,7 +656,6 @@ class DistributedPlane:
 
     # -- construction helpers ------------------------------------------------------------------------------------
     def _build_unpack(self):
-        import jax
         import jax.numpy as jnp
         from jax import lax
 
@@ -669,7 +667,7 @@ class DistributedPlane:
             weights = lax.bitcast_convert_type(stage[:, words + 4], jnp.float32) if priority else None
             return data, ids, weights
 
-        return jax.jit(unpack)
+        return engine.compiled(unpack, "shard_unpack")
 
     @classmethod
     def restore(cls, directory: str, **kwargs) -> "DistributedPlane":
