@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conduit_jax import ExperienceDataPlane, PriorityError, default_mesh, samplers
+from conduit_jax import ExperienceDataPlane, PriorityError, default_mesh, samplers, schedule
 from conduit_jax.distributed import ray_plane
 from conduit_jax.distributed.ray_plane import route, split_counts
 
@@ -117,6 +117,11 @@ def test_an_fsync_shard_flushes_its_log_and_replays_it_after_a_restart(tmp_path)
 
     with pytest.raises(ConfigError, match="durable must be True, False or 'fsync', got 'yes'"):
         DistributedPlane(SPEC, 64, samplers.uniform(8), durable="yes")
+    # the request schedule is the core's vocabulary (prefetch=k: overlap(k)); what shards cannot do is refused
+    with pytest.raises(ConfigError, match="the deferred schedule is not supported across shards"):
+        DistributedPlane(SPEC, 64, samplers.uniform(8), schedule=schedule.deferred(2, 2))
+    with pytest.raises(ConfigError, match="pass schedule= or prefetch=, not both"):
+        DistributedPlane(SPEC, 64, samplers.uniform(8), schedule=schedule.overlap(2), prefetch=2)
     shard = ray_plane.ShardServer(0, SPEC, 64, samplers.uniform(8), directory=str(tmp_path), devices=1,
                                   durable="fsync")
     assert shard.log.fsync and shard.ingest(batch(0, 5))["durable"]

@@ -511,6 +511,30 @@ def warn_if_unauthenticated(stacklevel: int = 2) -> None:
                       ConduitWarning, stacklevel=stacklevel)
 
 
+
+def _schedule_of(schedule, prefetch):
+    """The plane's ``Schedule`` from ``schedule=`` or the older ``prefetch=`` (see ``DistributedPlane``)."""
+    from conduit_jax import schedule as schedule_lib
+
+    if schedule is not None and prefetch is not None:
+        raise ConfigError("DistributedPlane(): pass schedule= or prefetch=, not both (prefetch=k is "
+                          "schedule=schedule.overlap(k))")
+    if schedule is None:
+        if prefetch is None:
+            return schedule_lib.overlap(2)
+        if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0:
+            raise ConfigError(f"DistributedPlane(): prefetch must be an int >= 0, got {prefetch!r}")
+        return schedule_lib.overlap(prefetch) if prefetch else schedule_lib.sync()
+    if not isinstance(schedule, schedule_lib.Schedule):
+        raise ConfigError(f"DistributedPlane(): schedule must be a schedule.* policy (sync, staged, overlap), got "
+                          f"{type(schedule).__name__}")
+    if schedule.defer or schedule.adaptive:
+        raise ConfigError(f"DistributedPlane(): the {schedule.name} schedule is not supported across shards (priority "
+                          f"updates go to their shard at once, and the request depth is fixed); use "
+                          f"schedule.overlap(k)")
+    return schedule
+
+
 class DistributedPlane:
     """An experience plane whose shards are Ray actors (see the module docstring).
 
@@ -528,7 +552,12 @@ class DistributedPlane:
         ingest is in ``benchmarks/bench_wal.py``). ``"fsync"``: the same, and each logged batch is flushed to the
         disk before the acknowledgement, so it also survives a crash or power loss of the host (one disk flush per
         ingest). False: items since a shard's last snapshot are lost with it.
-      max_restarts: Ray restarts per actor. prefetch: requests ``deliver()`` keeps in flight.
+      max_restarts: Ray restarts per actor.
+      schedule: when ``deliver()`` requests batches, in the core's vocabulary: ``schedule.sync()`` or
+        ``schedule.staged()`` (each request at its call) or ``schedule.overlap(k)`` (k requests in flight, so shard
+        round trips run while the learner computes; the default is ``overlap(2)``). ``deferred`` and ``adaptive`` are
+        refused (priority updates route to their shard at once; no adaptive depth across shards).
+        ``prefetch=k``: the same as ``schedule=schedule.overlap(k)`` (``prefetch=0``: ``sync()``).
       split: 'stratified' or 'multinomial' split of a batch over shards.
       placement: None (Ray's default scheduling), or a placement-group strategy ('PACK', 'SPREAD', 'STRICT_SPREAD')
         with one bundle per actor of ``actor_options`` resources.
@@ -542,18 +571,19 @@ class DistributedPlane:
     def __init__(self, spec, capacity: Optional[int] = None, sampler=None, *, num_actors: int = 2,
                  devices_per_actor: Optional[int] = None, checkpoint_dir: Optional[str] = None,
                  checkpoint_every_s: Optional[float] = 30.0, checkpoint_every_items: Optional[int] = None,
-                 max_restarts: int = 3, prefetch: int = 2, split: str = "stratified", seed: int = 0,
+                 max_restarts: int = 3, prefetch: Optional[int] = None, split: str = "stratified", seed: int = 0,
                  placement: Optional[str] = None, actor_options: Optional[dict] = None, limiter=None,
                  cast: bool = False, sharding=None, beta=None, restore_from: Optional[str] = None,
                  max_pending_ingests: int = 8, incremental_checkpoints: bool = False,
                  jax_config: Optional[dict] = None, actor_env: Optional[dict] = None, probe_interval_s: float = 0.2,
-                 durable=True):
+                 durable=True, schedule=None):
         import ray
 
         from conduit_jax import samplers as samplers_lib
 
         if not (isinstance(durable, bool) or durable == "fsync"):
             raise ConfigError(f"DistributedPlane(): durable must be True, False or 'fsync', got {durable!r}")
+        self.schedule = _schedule_of(schedule, prefetch)
         if not ray.is_initialized():
             raise ConfigError("DistributedPlane(): call ray.init(...) first (the plane starts actors on that cluster)")
         warn_if_unauthenticated(stacklevel=3)
@@ -580,8 +610,7 @@ class DistributedPlane:
                               f"got {capacity!r}")
         if split not in ("stratified", "multinomial"):
             raise ConfigError(f"DistributedPlane(): split must be 'stratified' or 'multinomial', got {split!r}")
-        if not isinstance(prefetch, int) or prefetch < 0:
-            raise ConfigError(f"DistributedPlane(): prefetch must be an int >= 0, got {prefetch!r}")
+        prefetch = self.schedule.depth
         self.priority = self.sampler.name == "prioritized"
         beta = params.get("beta") if beta is None else beta
         if self.priority and beta is None:
@@ -1100,7 +1129,7 @@ class DistributedPlane:
                 s.ignored_lost for s in self._shards),
             "restarts": sum(s.restarts_seen for s in self._shards),
             "counters": dict(self.counters),
-            "prefetch": self.prefetch,
+            "prefetch": self.prefetch, "schedule": self.schedule.name,
             "in_flight": len(self._in_flight),
             "request_latency": ms(list(self._latency)),
             "exposed": ms(list(self._exposed)),
