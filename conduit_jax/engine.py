@@ -612,8 +612,8 @@ class RolloutEngine:
     A host program plans each batch on the host (``rollouts.HostQueue``, which also counts staged groups) and calls
     ``deliver(plan, version)``: one kernel writes the staged groups, sets the policy version and lays the batch out,
     in one dispatch. ``flush`` writes staged groups alone. There is one kernel per number of groups staged at once
-    (a generator that ingests the same number of prompts each round compiles one). Not thread-safe: the caller
-    serialises calls."""
+    (the staged groups padded to a power of two: a few variants however a producer's ingests fall between draws).
+    Not thread-safe: the caller serialises calls."""
 
     def __init__(self, buffer: "rollouts.RolloutBuffer", state=None):
         self.buffer = buffer
@@ -642,10 +642,21 @@ class RolloutEngine:
 
     def _dispatch(self, name: str, version: int, *plan):
         staged, self.staged = self.staged, []
-        groups = None if not staged else rollouts.Groups(
-            {leaf: np.concatenate([g.leaves[leaf] for g in staged]) for leaf in staged[0].leaves},
-            *(np.concatenate([getattr(g, field) for g in staged]) for field in rollouts.Groups._fields[1:]))
-        count = 0 if groups is None else groups.lengths.shape[0]
+        count = sum(g.lengths.shape[0] for g in staged)
+        groups = None
+        if staged:
+            # padded to the next power of two with absent groups (all lengths 0: written nowhere), so however many
+            # groups a producer thread staged before a draw, few kernels are compiled
+            count = compile_size(count)
+
+            def padded(values):
+                out = np.zeros((count, *values[0].shape[1:]), values[0].dtype)
+                np.concatenate(values, out=out[:sum(v.shape[0] for v in values)])
+                return out
+
+            groups = rollouts.Groups({leaf: padded([g.leaves[leaf] for g in staged]) for leaf in staged[0].leaves},
+                                     *(padded([getattr(g, field) for g in staged])
+                                       for field in rollouts.Groups._fields[1:]))
         kernel_name = f"{'staged+' if count else ''}{name}"
         self.dispatches[kernel_name] += 1
         with CompileScope(self.compiles, kernel_name):

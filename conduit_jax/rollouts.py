@@ -89,7 +89,9 @@ class RolloutSpec(NamedTuple):
 class Groups(NamedTuple):
     """``k`` groups of rollouts, padded for transport: ``leaves[name]`` [k, G, max_length] (anything past a sequence's
     length is ignored), ``lengths`` int32[k, G], ``rewards`` float32[k, G], ``prompt_lengths`` int32[k, G],
-    ``policy_version`` int32[k]. ``groups_from_lists`` builds one from ragged host lists and checks it."""
+    ``policy_version`` int32[k]. ``groups_from_lists`` builds one from ragged host lists and checks it. Inside a
+    jit a group whose lengths are all 0 is absent (it may only follow the present ones): a step compiled for k
+    groups then takes fewer."""
 
     leaves: dict
     lengths: Any
@@ -380,9 +382,6 @@ def check_groups(spec: RolloutSpec, groups: Groups, where: str = "ingest()") -> 
 
 def _checked_groups(static: RolloutConfig, groups: Groups) -> Groups:
     groups = check_groups(static.spec, groups)
-    if groups.lengths.shape[0] > static.group_capacity:
-        raise SpecError(f"ingest(): {groups.lengths.shape[0]} groups at once exceed group_capacity="
-                        f"{static.group_capacity}")
     return Groups({name: jnp.asarray(leaf, static.spec.token_leaves[name]) for name, leaf in groups.leaves.items()},
                   jnp.asarray(groups.lengths, jnp.int32), jnp.asarray(groups.rewards, jnp.float32),
                   jnp.asarray(groups.prompt_lengths, jnp.int32), jnp.asarray(groups.policy_version, jnp.int32))
@@ -390,8 +389,10 @@ def _checked_groups(static: RolloutConfig, groups: Groups) -> Groups:
 
 def _placement(static: RolloutConfig, state: RolloutState, groups: Groups):
     """Where each new group goes: its slot, its token region [begin, begin + total), and which stored groups (and
-    which earlier groups of the same call) the writes retire."""
-    lengths = jnp.clip(groups.lengths, 1, static.spec.max_length)
+    which earlier groups of the same call) the writes retire. A group whose lengths are all 0 is absent (padding
+    after the present ones, so a kernel compiled for k groups takes fewer): it takes no slot and writes nothing."""
+    present = jnp.any(groups.lengths > 0, axis=1)  # [k]
+    lengths = jnp.where(present[:, None], jnp.clip(groups.lengths, 1, static.spec.max_length), 0)
     totals = jnp.sum(lengths, axis=1)  # [k]
 
     def place(cursor, total):  # a group that would run past the ring's end starts again at 0 (never split)
@@ -401,15 +402,17 @@ def _placement(static: RolloutConfig, state: RolloutState, groups: Groups):
     cursor, begins = lax.scan(place, state.cursor, totals)
     ends = begins + totals
     count = totals.shape[0]
-    slots = (state.written + jnp.arange(count, dtype=jnp.int32)) % static.group_capacity
+    slots = jnp.where(present, (state.written + jnp.arange(count, dtype=jnp.int32)) % static.group_capacity,
+                      static.group_capacity)  # absent: out of range, every write to it dropped
     # a stored group is retired when a new region overlaps its tokens or a new group takes its slot
-    overlaps = (state.span[None, :, 0] < ends[:, None]) & (begins[:, None] < state.span[None, :, 1])
-    retired = state.live & (jnp.any(overlaps, axis=0) | jnp.zeros_like(state.live).at[slots].set(True))
+    overlaps = present[:, None] & (state.span[None, :, 0] < ends[:, None]) & (begins[:, None] < state.span[None, :, 1])
+    taken = jnp.zeros_like(state.live).at[slots].set(True, mode="drop")
+    retired = state.live & (jnp.any(overlaps, axis=0) | taken)
     # a new group is retired at once by a later one of the same call (more tokens than the ring in one call)
-    later = jnp.arange(count)[None, :] > jnp.arange(count)[:, None]
+    later = (jnp.arange(count)[None, :] > jnp.arange(count)[:, None]) & present[None, :]
     clobbered = jnp.any(later & (begins[None, :] < ends[:, None]) & (begins[:, None] < ends[None, :]), axis=1)
     clobbered |= jnp.any(later & (slots[None, :] == slots[:, None]), axis=1)
-    return lengths, begins, ends, slots, cursor, retired, clobbered
+    return lengths, begins, ends, slots, cursor, retired, clobbered, jnp.sum(present.astype(jnp.int32))
 
 
 def _queued(static: RolloutConfig, state: RolloutState):
@@ -430,7 +433,7 @@ def _can_ingest(static: RolloutConfig, state: RolloutState, groups: Groups):
 
 def _ingest(static: RolloutConfig, state: RolloutState, groups: Groups) -> RolloutState:
     spec = static.spec
-    lengths, begins, ends, slots, cursor, retired, clobbered = _placement(static, state, groups)
+    lengths, begins, ends, slots, cursor, retired, clobbered, count = _placement(static, state, groups)
     offsets = jnp.cumsum(lengths, axis=1) - lengths  # [k, G]: each sequence's offset in its group's region
     starts = begins[:, None] + offsets
     steps = jnp.arange(spec.max_length, dtype=jnp.int32)
@@ -439,16 +442,19 @@ def _ingest(static: RolloutConfig, state: RolloutState, groups: Groups) -> Rollo
     leaves = {name: ring.at[target].set(groups.leaves[name].reshape(-1).astype(ring.dtype), mode="drop")
               for name, ring in state.leaves.items()}
     undelivered = _undelivered(static, state)
-    live = (state.live & ~retired).at[slots].set(~clobbered)
+    live = (state.live & ~retired).at[slots].set(~clobbered, mode="drop")
+
+    def put(table, values):
+        return table.at[slots].set(values, mode="drop")
+
     return replace(
-        state, leaves=leaves, start=state.start.at[slots].set(starts), length=state.length.at[slots].set(lengths),
-        prompt_length=state.prompt_length.at[slots].set(jnp.clip(groups.prompt_lengths, 0, lengths)),
-        reward=state.reward.at[slots].set(groups.rewards), version=state.version.at[slots].set(groups.policy_version),
-        span=state.span.at[slots].set(jnp.stack([begins, ends], axis=1)), live=live,
-        generation=state.generation.at[slots].add(1), cursor=cursor,
-        written=state.written + lengths.shape[0],
+        state, leaves=leaves, start=put(state.start, starts), length=put(state.length, lengths),
+        prompt_length=put(state.prompt_length, jnp.clip(groups.prompt_lengths, 0, lengths)),
+        reward=put(state.reward, groups.rewards), version=put(state.version, groups.policy_version),
+        span=put(state.span, jnp.stack([begins, ends], axis=1)), live=live,
+        generation=state.generation.at[slots].add(1, mode="drop"), cursor=cursor, written=state.written + count,
         # the queue's reader is never more than a ring of slots behind the writer
-        read=jnp.maximum(state.read, state.written + lengths.shape[0] - static.group_capacity),
+        read=jnp.maximum(state.read, state.written + count - static.group_capacity),
         dropped_overwritten=state.dropped_overwritten + jnp.sum((retired & undelivered).astype(jnp.int32)))
 
 

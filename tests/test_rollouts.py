@@ -301,3 +301,23 @@ def test_inside_a_users_jit_with_device_arrays():
     np.testing.assert_array_equal(np.asarray(batch.leaves["tokens"]), [[1, 2, 3, 5, 6, 0, 0, 0]])
     np.testing.assert_array_equal(np.asarray(batch.segment_ids), [[1, 1, 1, 2, 2, 0, 0, 0]])
     np.testing.assert_allclose(np.asarray(batch.advantages)[0, :5], [0.7071] * 3 + [-0.7071] * 2, atol=1e-3)
+
+
+def test_absent_groups_pad_an_ingest_and_write_nothing():
+    """A step compiled for 4 groups takes 1 real group and 3 absent ones (all lengths 0): the same state as the
+    1-group ingest, whatever the cursor (a wrapped ring whose oldest group spans the cursor keeps it)."""
+    spec = rollouts.RolloutSpec(group_size=2, max_length=4, token_leaves={"tokens": np.int32})
+    buffer = rollouts.make_rollout_buffer(spec, 24, 8, 2, rollouts.padded())
+    rng = np.random.default_rng(9)
+    one, padded_one = jax.jit(buffer.ingest), jax.jit(buffer.ingest)
+    a = b = buffer.init()
+    for _ in range(5):
+        groups = random_groups(rng, spec, 1, 0)[0]
+        pad = rollouts.Groups({"tokens": np.concatenate([groups.leaves["tokens"], np.zeros((3, 2, 4), np.int32)])},
+                              np.concatenate([groups.lengths, np.zeros((3, 2), np.int32)]),
+                              np.concatenate([groups.rewards, np.zeros((3, 2), np.float32)]),
+                              np.concatenate([groups.prompt_lengths, np.zeros((3, 2), np.int32)]),
+                              np.concatenate([groups.policy_version, np.zeros(3, np.int32)]))
+        a, b = one(a, groups), padded_one(b, jax.tree.map(lambda x: x, pad))
+        jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, a), jax.tree.map(np.asarray, b))
+    assert int(b.written) == 5
