@@ -84,17 +84,21 @@ class RolloutPlane:
 
     # -- ingest -----------------------------------------------------------------------------------------------------
     def ingest(self, groups: rollouts.Groups, *, timeout: Optional[float] = 0.0) -> None:
-        """Take ``groups`` (``rollouts.Groups`` of host arrays, e.g. from ``rollouts.groups_from_lists``; checked,
-        ``SpecError`` naming the field, prompt and response) into the plane: staged on the host, written by the
-        next kernel. When they would overwrite undelivered groups, waits up to ``timeout`` seconds (None: for ever)
+        """Take ``groups`` (``rollouts.Groups``, e.g. from ``rollouts.groups_from_lists``, or a generator's padded
+        device arrays, read here; checked, ``SpecError`` naming the field, prompt and response) into the plane:
+        staged on the host, written by the next kernel. When they would overwrite undelivered groups, waits up to ``timeout`` seconds (None: for ever)
         for deliveries to make room, then raises ``CapacityError``; nothing is written. The plane keeps no reference
         to the caller's arrays."""
         runtime.refuse_under_trace("ingest()", "state = buffer.ingest(state, groups)")
         start = time.perf_counter()
         timeout = checked_timeout(timeout, "ingest()")
-        groups = rollouts.check_groups(self.spec, groups)
-        groups = rollouts.Groups({name: np.array(leaf) for name, leaf in groups.leaves.items()},
-                                 *(np.array(getattr(groups, field)) for field in rollouts.Groups._fields[1:]))
+        if not isinstance(groups, rollouts.Groups):
+            rollouts.check_groups(self.spec, groups)  # raises, naming what came
+        # host copies (a generator's device arrays are read here: the plan needs the lengths), then every value
+        # checked
+        groups = rollouts.check_groups(self.spec, rollouts.Groups(
+            {name: np.array(leaf) for name, leaf in groups.leaves.items()},
+            *(np.array(getattr(groups, field)) for field in rollouts.Groups._fields[1:])))
         lengths = groups.lengths
         if lengths.shape[0] > self.config.group_capacity:
             raise CapacityError(f"ingest(): {lengths.shape[0]} groups at once exceed group_capacity="

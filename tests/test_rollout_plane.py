@@ -193,3 +193,21 @@ def test_bad_configurations_are_named():
     plane.set_policy_version(3)
     with pytest.raises(ConfigError, match="versions only move forward; the plane is at 3, got 2"):
         plane.set_policy_version(2)
+
+
+def test_device_groups_are_checked_by_value_and_a_refused_ingest_stages_nothing():
+    """A generator's device arrays are read and checked like host lists: a length over max_length is refused by
+    name and nothing is staged."""
+    import jax.numpy as jnp
+
+    from conduit_jax.errors import SpecError
+
+    spec = rollouts.RolloutSpec(GROUP, 12, {"tokens": np.int32})
+    plane = RolloutPlane(spec, 512, 16, 2)
+    groups, _ = make_groups(np.random.default_rng(6), 1, 0, 0)
+    bad = jax.tree.map(jnp.asarray, groups._replace(lengths=np.where(np.arange(GROUP) == 2, 13, groups.lengths)))
+    with pytest.raises(SpecError, match=r"lengths of prompt 0, response 2 is 13, expected 1..12"):
+        plane.ingest(bad)
+    assert len(plane) == 0 and plane.stats()["groups_ingested"] == 0
+    plane.ingest(jax.tree.map(jnp.asarray, groups))
+    assert int(plane.deliver().groups) == 1
