@@ -84,7 +84,8 @@ class GRPOConfig:
     learning_rate: float = 1e-3
     clip_eps: float = 0.2
     scale_advantages: bool = True  # False: advantage = reward - group mean (no division by the group's std)
-    max_staleness: int = 2  # overlapped runs: groups older than this many policy versions are dropped
+    max_staleness: int = 2  # groups older than this many policy versions never reach the loss
+    overlap_schedule: str = "overlap"  # the plane's schedule in overlap mode: overlap (overlap(1)) or adaptive
     rows: int = 8  # the packed layout's token budget: rows x row_length per learner batch
     row_length: int = 96
     token_capacity: int = 16_384  # the conduit buffer's token ring
@@ -409,10 +410,17 @@ class NaivePath:
 
 
 class ConduitPath:
-    """Rollouts stay on the device: one jitted ``rollouts`` ingest of the generation's groups, one jitted sample of
-    whole groups with their advantages, padded or packed."""
+    """Rollouts through ``conduit_jax.RolloutPlane``: ``ingest`` fetches a generation to the host and stages its
+    groups there (no kernel); ``deliver`` hands over a batch of whole groups with their advantages, padded to
+    ``[groups_per_batch * G, max_length]`` or packed into ``[rows, row_length]``, laid out by one kernel that writes
+    the staged groups first. Under ``schedule.staged()`` that kernel is the learner's own ``deliver()`` call; under
+    ``schedule.overlap(1)`` (or ``adaptive``) the plane's delivery worker runs it while the learner's step computes,
+    and ``deliver()`` only hands the batch over. The plane keeps the staleness bound: groups older than
+    ``max_staleness`` versions are dropped when drawn, and sequences of a batch drawn before the learner's last
+    ``set_policy_version`` that are too old by then are masked out (no loss, no advantage)."""
 
-    def __init__(self, config: GRPOConfig, layout: str, max_staleness: Optional[int]):
+    def __init__(self, config: GRPOConfig, layout: str, max_staleness: Optional[int], schedule=None):
+        import conduit_jax as cj
         from conduit_jax import rollouts
 
         self.name = f"conduit-{layout}"
@@ -420,48 +428,60 @@ class ConduitPath:
         spec = rollouts.RolloutSpec(group_size=config.group_size, max_length=config.max_length,
                                     token_leaves={"tokens": np.int32, "logprobs": np.float32})
         shape = rollouts.packed(config.rows, config.row_length) if layout == "packed" else rollouts.padded()
-        self.buffer = buffer = rollouts.make_rollout_buffer(
-            spec, token_capacity=config.token_capacity, group_capacity=config.group_capacity,
-            groups_per_batch=config.groups_per_batch, layout=shape, max_staleness=max_staleness,
-            scale_advantages=config.scale_advantages)
+        self.plane = cj.RolloutPlane(spec, config.token_capacity, config.group_capacity, config.groups_per_batch,
+                                     shape, max_staleness=max_staleness, scale_advantages=config.scale_advantages,
+                                     schedule=schedule)
 
-        def ingest(state, r: Rollouts):
-            groups = rollouts.Groups(leaves={"tokens": r.tokens, "logprobs": r.logprobs}, lengths=r.lengths,
-                                     rewards=r.rewards, prompt_lengths=r.prompt_lengths,
-                                     policy_version=jnp.full(r.rewards.shape[:1], r.policy_version, jnp.int32))
-            return buffer.ingest(state, groups)
+    def groups(self, r: Rollouts):
+        """A generation fetched to the host as ``rollouts.Groups``."""
+        from conduit_jax import rollouts
 
-        def sample(state, version):
-            state = buffer.set_policy_version(state, version)
-            state, b = buffer.sample(state)
-            batch = Batch(b.leaves["tokens"], b.leaves["logprobs"], b.positions, b.segment_ids, b.loss_mask,
-                          b.advantages)
-            # the host needs only these scalars; one small fetch instead of one per field
-            info = jnp.stack([b.groups, jnp.sum(b.lengths), state.read, state.dropped_stale])
-            versions = jnp.where(b.sequence_mask, b.versions, -1)[::config.group_size]
-            return state, batch, info, versions
+        host = jax.device_get(r)
+        return rollouts.Groups(leaves={"tokens": host.tokens, "logprobs": host.logprobs}, lengths=host.lengths,
+                               rewards=host.rewards, prompt_lengths=host.prompt_lengths,
+                               policy_version=np.full(host.rewards.shape[:1], host.policy_version, np.int32))
 
-        self.ingest = jax.jit(ingest, donate_argnums=(0,))
-        self.sample = jax.jit(sample, donate_argnums=(0,))
-        self.consumed = 0
-        self.dropped = 0
+    def ingest(self, r, timeout: Optional[float] = 0.0) -> None:
+        """Stage groups (``Rollouts`` of a generation, or host ``rollouts.Groups``) in the plane; waits up to
+        ``timeout`` for room (``CapacityError`` after)."""
+        self.plane.ingest(self.groups(r) if isinstance(r, Rollouts) else r, timeout=timeout)
 
-    def init(self):
-        return self.buffer.init()
+    def deliver(self, timeout: Optional[float] = 0.0):
+        """The learner's next batch (computed) and the plane's ``RolloutBatch`` it came from (``account`` reads its
+        bookkeeping). ``NotEnoughDataError`` when nothing is deliverable within ``timeout``."""
+        b = self.plane.deliver(timeout=timeout)
+        return Batch(b.leaves["tokens"], b.leaves["logprobs"], b.positions, b.segment_ids, b.loss_mask,
+                     b.advantages), b
 
-    def finish(self, batch: Batch, info, versions) -> Delivered:
-        """Host bookkeeping of a sampled batch (blocks until it is ready)."""
-        groups, useful, read, dropped = (int(x) for x in np.asarray(info))
-        self.consumed, self.dropped = read, dropped
+    def account(self, batch: Batch, b) -> Delivered:
+        """What the batch delivered, read to the host: the sequences still in it (``sequence_mask``: masked stale
+        ones are not), their tokens, and each delivered group's policy version."""
+        lengths, mask, versions = jax.device_get((b.lengths, b.sequence_mask, b.versions))
+        kept = mask.reshape(-1, self.config.group_size)[:, 0]  # a group is delivered or masked whole
         rows, width = batch.tokens.shape
-        return Delivered(batch, useful, rows * width, groups, [int(v) for v in np.asarray(versions) if v >= 0])
+        return Delivered(batch, int(np.sum(lengths[mask])), rows * width, int(np.sum(kept)),
+                         versions.reshape(-1, self.config.group_size)[kept, 0].tolist())
 
 
-def make_path(name: str, config: GRPOConfig, max_staleness: Optional[int]):
+def conduit_schedule(mode: str, name: str = "overlap"):
+    """The plane's schedule for a mode: ``staged()`` in sync mode (the learner's deliver() runs the one kernel);
+    in overlap mode ``overlap(1)`` (one batch laid out ahead, during the learner's step) or ``adaptive(2, k=0)``."""
+    from conduit_jax import schedule
+
+    if mode == "sync":
+        return schedule.staged()
+    if name == "adaptive":
+        return schedule.adaptive(2, k=0)
+    if name == "overlap":
+        return schedule.overlap(1)
+    raise ValueError(f"unknown overlap schedule {name!r}; use overlap or adaptive")
+
+
+def make_path(name: str, config: GRPOConfig, max_staleness: Optional[int], schedule=None):
     if name == "naive":
         return NaivePath(config, max_staleness)
     if name in ("conduit-padded", "conduit-packed"):
-        return ConduitPath(config, name.split("-")[1], max_staleness)
+        return ConduitPath(config, name.split("-")[1], max_staleness, schedule)
     raise ValueError(f"unknown experience path {name!r}; use one of {', '.join(PATHS)}")
 
 
@@ -472,62 +492,58 @@ WARMUP_STEPS = 3  # learner steps left out of the timings (the first calls compi
 
 
 class Experiment:
-    """The jitted pieces of one configuration, shared by every run (path, mode, seed) so each compiles once."""
+    """The jitted pieces of one configuration, shared by every run (path, mode, seed) so each compiles once (a
+    Conduit run's plane is its own: its few kernels compile in the run, in the steps left out of the timings)."""
 
     def __init__(self, config: GRPOConfig):
         self.config = config
         self.policy = make_policy(config)
         self.generate = make_generate(config, self.policy)
         self.init_learner, self.step = make_learner(config, self.policy)
-        self._paths: dict = {}
 
-    def path(self, name: str):
-        """The path's jitted functions are kept (one compile per configuration); its host counters start afresh."""
+    def path(self, name: str, mode: str = "sync"):
+        """A fresh experience path for one run (a Conduit path: a new plane, on the mode's schedule)."""
         config = self.config
-        if name not in self._paths:
-            if name == "conduit-packed":
-                # a packed batch takes as many whole groups as its token budget holds: allow more than a
-                # generation's worth, so short answers fill the budget instead of leaving it half empty
-                config = dataclasses.replace(config, groups_per_batch=2 * config.groups_per_batch)
-            self._paths[name] = make_path(name, config, config.max_staleness)
-        path = self._paths[name]
-        if name == "naive":
-            path = self._paths[name] = NaivePath(config, config.max_staleness)
-        path.consumed = path.dropped = 0
-        return path
+        if name == "conduit-packed":
+            # a packed batch takes as many whole groups as its token budget holds: allow more than a generation's
+            # worth, so short answers fill the budget instead of leaving it half empty
+            config = dataclasses.replace(config, groups_per_batch=2 * config.groups_per_batch)
+        schedule = None if name == "naive" else conduit_schedule(mode, config.overlap_schedule)
+        return make_path(name, config, config.max_staleness, schedule)
 
 
 class _Shared:
-    """What the producer and the learner threads share, under ``cond``'s lock."""
+    """What the producer and the learner threads share, under ``cond``'s lock (the naive path's queue too)."""
 
     def __init__(self):
         self.cond = threading.Condition()
-        self.state = None  # the Conduit buffer's state
         self.produced_groups = 0
         self.produced_tokens = 0
         self.generations: list = []  # (policy version, mean reward, seconds)
-        self.done = False
+        self.done = False  # the producer has finished (or the learner has stopped)
         self.error: Optional[BaseException] = None
 
 
 def run_one(exp: Experiment, path_name: str, mode: str, seed: int) -> dict:
     """One training run; returns its curve, timings and batch statistics."""
+    from conduit_jax.errors import CapacityError, NotEnoughDataError
+
     config = exp.config
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; use one of {', '.join(MODES)}")
-    path = exp.path(path_name)
+    path = exp.path(path_name, mode)
     packed = path_name == "conduit-packed"
     conduit = path_name != "naive"
     key = jax.random.key(seed)
     learner = exp.init_learner(jax.random.fold_in(key, 0))  # the same initial policy on every path
     generation_key = jax.random.fold_in(key, 1)
     shared = _Shared()
-    if conduit:
-        shared.state = path.init()
     budget = config.rows * config.row_length
 
-    def pending() -> int:
-        return shared.produced_groups - path.consumed
+    def queued() -> int:
+        """Groups ingested and not yet drawn into a batch (Conduit: the plane's count; batches it laid out ahead are
+        not in it)."""
+        return len(path.plane) if conduit else len(path.queue)
 
     def needed() -> int:
         """Groups a batch waits for: a generation's worth, or (packed) the groups that fill the token budget."""
@@ -537,8 +553,8 @@ def run_one(exp: Experiment, path_name: str, mode: str, seed: int) -> dict:
         # one group more than the budget holds on average: the packer then has a choice and fills the rows
         return max(1, min(2 * config.groups_per_batch, int(budget // per_group) + 1))
 
-    def produce(params, g: int, version: int) -> float:
-        """Generate one generation and feed it to the path (the caller holds no lock); returns generation seconds."""
+    def produce(params, g: int, version: int):
+        """Generate one generation (the caller holds no lock); returns the rollouts, their tokens and seconds."""
         start = time.perf_counter()
         rollouts = exp.generate(params, jax.random.fold_in(generation_key, g), version)
         tokens, reward = (float(x) for x in jax.device_get((jnp.sum(rollouts.lengths), jnp.mean(rollouts.rewards))))
@@ -546,157 +562,170 @@ def run_one(exp: Experiment, path_name: str, mode: str, seed: int) -> dict:
         shared.generations.append((version, reward, seconds))
         return rollouts, int(tokens), seconds
 
-    def put(rollouts) -> None:  # under the lock
-        if conduit:
-            shared.state = path.ingest(shared.state, rollouts)
-        else:
-            path.put(rollouts)
-        shared.produced_groups += config.groups_per_batch
-
     steps: list = []  # per learner step: exposed_s, learner_s, useful, computed, groups, loss, staleness
     version = 0
 
-    def take(version: int):
-        """Dispatch (Conduit) or build (naive) the next batch; under the lock for the shared part."""
+    def take(version: int, timeout: Optional[float] = 0.0):
+        """The next batch and how to account for it, or None: Conduit's deliver(), or the naive pop, pad and
+        transfer. Computed (block_until_ready) when it returns, so the caller's clock holds all of it."""
         if conduit:
-            with shared.cond:
-                shared.state, batch, info, versions = path.sample(shared.state, np.int32(version))
-            return lambda: path.finish(batch, info, versions)
+            try:
+                batch, b = path.deliver(timeout=timeout)
+            except NotEnoughDataError:
+                return None
+            return jax.block_until_ready(batch), lambda: path.account(batch, b)
         with shared.cond:
             groups = path.pop(version)
-        return lambda: path.batch(groups, version) if groups else None
+        if not groups:
+            return None
+        delivered = path.batch(groups, version)
+        return jax.block_until_ready(delivered.batch), lambda: delivered
 
-    def learn(delivered: Delivered, exposed: float) -> None:
+    def learn(batch: Batch, account, exposed: float) -> float:
+        """One learner step; then (Conduit) the plane's policy version moves on. Returns the seconds that
+        set_policy_version() took on this thread, counted in the next step's exposed path."""
         nonlocal learner, version
         start = time.perf_counter()
-        learner, loss, metrics = exp.step(learner, delivered.batch)
+        learner, loss, metrics = exp.step(learner, batch)
         loss = float(loss)  # blocks on the step
         learner_s = time.perf_counter() - start
+        delivered = account()
         steps.append({"exposed_s": exposed, "learner_s": learner_s, "useful": delivered.useful_tokens,
                       "computed": delivered.computed_tokens, "groups": delivered.groups, "loss": loss,
                       "staleness": [version - v for v in delivered.versions], "kl": float(metrics["kl"]),
                       "clipped": float(metrics["clipped"])})
         version += 1
+        if not conduit:
+            return 0.0
+        start = time.perf_counter()
+        path.plane.set_policy_version(version)
+        return time.perf_counter() - start
 
     started = time.perf_counter()
     wait_s = 0.0
-    if mode == "sync":
-        for g in range(config.iterations):
-            rollouts, tokens, _ = produce(learner.params, g, version)
-            shared.produced_tokens += tokens
-            start = time.perf_counter()
-            put(rollouts)
-            put_s = time.perf_counter() - start
-            while pending() >= needed():
-                start = time.perf_counter()
-                delivered = take(version)()
-                if delivered is None or delivered.groups == 0:
-                    break
-                jax.block_until_ready(delivered.batch)
-                learn(delivered, put_s + time.perf_counter() - start)
-                put_s = 0.0  # the ingest is counted once, with the first batch it feeds
-    else:
-        snapshot = {"params": learner.params, "version": 0}
-        ready: collections.deque = collections.deque()  # Conduit: batches the delivery thread has made ready
-
-        def producer():
-            try:
-                for g in range(config.iterations):
-                    with shared.cond:
-                        # generate when the queue no longer holds the next batch: the learner's step and this
-                        # generation overlap, and nothing waits long enough to go stale
-                        shared.cond.wait_for(lambda: (pending() < needed() and not ready) or shared.done)
-                        if shared.done:
-                            return
-                        params, v = snapshot["params"], snapshot["version"]
-                    rollouts, tokens, _ = produce(params, g, v)
-                    with shared.cond:
-                        put(rollouts)
-                        shared.produced_tokens += tokens
-                        shared.cond.notify_all()
-            except BaseException as error:  # noqa: BLE001 - re-raised on the learner's thread
-                shared.error = error
-            finally:
-                with shared.cond:
-                    shared.done = True
-                    shared.cond.notify_all()
-
-        def deliverer():
-            """Conduit's schedule: the next batch is sampled, and waited for, on this thread while the learner's
-            step computes, so the learner only pops it. Its staleness filter uses the version the learner will
-            have when it takes the batch (one more than now: at most one batch waits), so the bound holds."""
-            try:
-                while True:
-                    with shared.cond:
-                        shared.cond.wait_for(lambda: shared.done or (not ready and pending() >= needed()))
-                        if shared.done and (ready or pending() < needed()):
-                            return
-                        target = version + 1 if steps_started[0] > len(steps) else version
-                    delivered = take(target)()
-                    jax.block_until_ready(delivered.batch)
-                    with shared.cond:
-                        if delivered.groups:
-                            ready.append(delivered)
-                        shared.cond.notify_all()
-                        if not delivered.groups:  # nothing fresh: wait for the producer
-                            shared.cond.wait(0.01)
-            except BaseException as error:  # noqa: BLE001 - re-raised on the learner's thread
-                shared.error = error
-                with shared.cond:
-                    shared.done = True
-                    shared.cond.notify_all()
-
-        steps_started = [0]  # learner steps begun (one more than len(steps) while a step computes)
-        threads = [threading.Thread(target=producer, name="grpo-producer", daemon=True)]
-        if conduit:
-            threads.append(threading.Thread(target=deliverer, name="grpo-delivery", daemon=True))
-        for thread in threads:
-            thread.start()
-        try:
-            while True:
-                start = time.perf_counter()
-                with shared.cond:
-                    if conduit:
-                        shared.cond.wait_for(lambda: ready or shared.done or shared.error is not None)
-                        if not ready:
-                            break
-                    else:
-                        shared.cond.wait_for(lambda: pending() >= needed() or shared.done)
-                        if pending() < needed():
-                            break
-                wait_s += time.perf_counter() - start
+    carried = 0.0  # experience-path seconds of this thread not yet counted with a batch (ingest, set version)
+    try:
+        if mode == "sync":
+            for g in range(config.iterations):
+                rollouts, tokens, _ = produce(learner.params, g, version)
                 start = time.perf_counter()
                 if conduit:
-                    with shared.cond:
-                        delivered = ready.popleft()
-                        steps_started[0] += 1
-                        shared.cond.notify_all()
+                    path.ingest(rollouts)  # staged: the next deliver()'s kernel writes it
                 else:
-                    delivered = take(version)()
-                    if delivered is None:
-                        continue
-                    jax.block_until_ready(delivered.batch)
-                    steps_started[0] += 1
-                learn(delivered, time.perf_counter() - start)
+                    path.put(rollouts)
+                carried += time.perf_counter() - start
+                shared.produced_groups += config.groups_per_batch
+                shared.produced_tokens += tokens
+                while queued() >= needed():
+                    start = time.perf_counter()
+                    taken = take(version)
+                    if taken is None:
+                        break
+                    exposed = carried + time.perf_counter() - start
+                    carried = learn(*taken, exposed)
+        else:
+            wait_s = _overlapped(config, path, conduit, shared, queued, needed, produce, take, learn,
+                                 lambda: (learner.params, version), CapacityError)
+    finally:
+        if conduit:
+            path.plane.close()
+    wall = time.perf_counter() - started
+    if conduit:
+        stats = path.plane.stats()
+        plane = {"dropped_stale": stats["dropped_stale"], "masked_stale": stats["masked_stale"],
+                 "dropped_overwritten": stats["dropped_overwritten"], "undelivered": stats["undelivered"],
+                 "groups_ingested": stats["groups_ingested"], "groups_drawn": stats["groups_drawn"],
+                 "schedule": stats["schedule"], "compiles": stats["compiles"],
+                 "exposed_us_median": stats["exposed_path"]["median_us"]}
+    else:
+        plane = {"dropped_stale": path.dropped, "masked_stale": 0, "dropped_overwritten": 0,
+                 "undelivered": len(path.queue)}
+    return summarize_run(config, path_name, mode, seed, steps, shared.generations, wall, wait_s, plane)
+
+
+def _overlapped(config: GRPOConfig, path, conduit: bool, shared: _Shared, queued, needed, produce, take, learn,
+                current, CapacityError) -> float:
+    """The overlapped run: a producer thread generates with the latest parameters and feeds the path while this
+    (the learner's) thread takes batches and learns. Returns the seconds the learner waited for the producer.
+
+    Pacing (both paths): the producer generates while fewer than a batch's worth of groups wait (``needed()``; for
+    Conduit also when none of them is fresh enough to deliver), so a generation does not queue long enough to go
+    stale. Conduit: the producer calls ``plane.ingest`` (waiting for room, which the pacing makes rare) and the
+    learner ``plane.deliver`` whenever the plane has a batch for it (laid out ahead by the schedule's worker, or
+    deliverable groups for deliver() to lay out)."""
+    snapshot = {"params": current()[0], "version": 0}
+
+    def producer():
+        try:
+            for g in range(config.iterations):
                 with shared.cond:
-                    snapshot["params"], snapshot["version"] = learner.params, version
+                    while not shared.done and queued() >= needed() and (not conduit or path.plane.can_sample()):
+                        shared.cond.wait(0.005)  # a draw (the plane's worker) does not notify this condition
+                    if shared.done:
+                        return
+                    params, v = snapshot["params"], snapshot["version"]
+                rollouts, tokens, _ = produce(params, g, v)
+                while conduit:
+                    try:
+                        path.ingest(rollouts, timeout=0.5)  # back-pressure: waits for deliveries to make room
+                        break
+                    except CapacityError:
+                        if shared.done:
+                            return
+                with shared.cond:
+                    if not conduit:
+                        path.put(rollouts)
+                    shared.produced_groups += config.groups_per_batch
+                    shared.produced_tokens += tokens
                     shared.cond.notify_all()
-                if shared.error is not None:
-                    break
+        except BaseException as error:  # noqa: BLE001 - re-raised on the learner's thread
+            shared.error = error
         finally:
             with shared.cond:
                 shared.done = True
                 shared.cond.notify_all()
-            for thread in threads:
-                thread.join()
-        if shared.error is not None:
-            raise shared.error
-    wall = time.perf_counter() - started
-    return summarize_run(config, path_name, mode, seed, steps, shared.generations, wall, wait_s, path.dropped)
+
+    def deliverable() -> bool:  # under shared.cond
+        if not conduit:
+            return queued() >= needed()
+        return path.plane.can_sample() or bool(path.plane.in_flight())
+
+    thread = threading.Thread(target=producer, name="grpo-producer", daemon=True)
+    thread.start()
+    wait_s, carried = 0.0, 0.0
+    try:
+        while shared.error is None:
+            start = time.perf_counter()
+            with shared.cond:
+                while not (deliverable() or shared.done or shared.error is not None):
+                    shared.cond.wait(0.005)
+                finished = shared.done and not deliverable()
+            wait_s += time.perf_counter() - start
+            if finished or shared.error is not None:
+                break
+            start = time.perf_counter()
+            taken = take(current()[1])
+            if taken is None:  # nothing fresh (the rest went stale), or a race with the worker's draw
+                if shared.done:
+                    break
+                continue
+            exposed = carried + time.perf_counter() - start
+            carried = learn(*taken, exposed)
+            with shared.cond:
+                snapshot["params"], snapshot["version"] = current()
+                shared.cond.notify_all()
+    finally:
+        with shared.cond:
+            shared.done = True
+            shared.cond.notify_all()
+        thread.join()
+    if shared.error is not None:
+        raise shared.error
+    return wait_s
 
 
 def summarize_run(config: GRPOConfig, path: str, mode: str, seed: int, steps: list, generations: list, wall: float,
-                  wait_s: float, dropped: int) -> dict:
+                  wait_s: float, plane: dict) -> dict:
     timed = steps[WARMUP_STEPS:] or steps
     useful = sum(s["useful"] for s in timed)
     computed = sum(s["computed"] for s in timed)
@@ -715,7 +744,11 @@ def summarize_run(config: GRPOConfig, path: str, mode: str, seed: int, steps: li
         "generation_ms_median": 1e3 * float(np.median([s for _, _, s in generations[1:]] or [0.0])),
         "groups_per_step": float(np.mean([s["groups"] for s in steps])) if steps else None,
         "useful_tokens_per_step": float(np.mean([s["useful"] for s in steps])) if steps else None,
-        "dropped_stale_groups": int(dropped),
+        "dropped_stale_groups": int(plane["dropped_stale"]),
+        "masked_stale_groups": int(plane["masked_stale"]) // config.group_size,  # masked whole, counted per sequence
+        "dropped_overwritten_groups": int(plane["dropped_overwritten"]),
+        "undelivered_groups": int(plane["undelivered"]),
+        "plane": plane if path != "naive" else None,
         "staleness_histogram": {str(k): int(v) for k, v in zip(*np.unique(staleness, return_counts=True))},
         "curve": curve, "initial_reward": float(np.mean(curve[:tail])), "final_reward": float(np.mean(curve[-tail:])),
         "loss_last": float(np.mean([s["loss"] for s in steps[-10:]])) if steps else None,
@@ -770,7 +803,8 @@ def summarize(config: GRPOConfig, seeds: list, rows: list) -> dict:
                         "exposed_ms_mean", "generation_ms_median", "groups_per_step", "useful_tokens_per_step",
                         "initial_reward", "final_reward", "wall_s"):
                 entry[key] = _median(same, key)
-            entry["dropped_stale_groups"] = int(sum(r["dropped_stale_groups"] for r in same))
+            for key in ("dropped_stale_groups", "masked_stale_groups", "dropped_overwritten_groups"):
+                entry[key] = int(sum(r[key] for r in same))  # totals over seeds
             table.append(entry)
     for entry in table:
         naive = next((e for e in table if e["path"] == "naive" and e["mode"] == entry["mode"]), None)
@@ -813,6 +847,11 @@ def verdict(report: dict) -> list[str]:
                    f"; exposed path {packed['exposed_ms_median']:.3f} ms vs naive {naive['exposed_ms_median']:.3f} ms = "
                    f"{100 * packed['exposed_vs_naive']:.0f}% (goal <= {100 * goals['exposed_vs_naive']:.0f}%: "
                    f"{'reached' if packed['exposed_vs_naive'] <= goals['exposed_vs_naive'] else 'NOT reached'})")
+    for e in table:
+        if e["mode"] == "overlap" and e["path"] != "naive":
+            out.append(f"overlap: {e['path']} stale groups over the seeds: {e['dropped_stale_groups']} dropped when "
+                       f"drawn, {e['masked_stale_groups']} masked at delivery, {e['dropped_overwritten_groups']} "
+                       f"overwritten undelivered")
     learning = report["learning"]
     base, ours = (learning["finals"][k] for k in learning["compared"])
     best = max(np.mean(base), np.mean(ours))
@@ -833,16 +872,18 @@ def _fmt(x) -> str:
 
 def format_table(report: dict) -> str:
     lines = [f"{'mode':<8} {'path':<15} {'efficiency':>10} {'learner tok/s':>13} {'vs naive':>8} {'step ms':>8} "
-             f"{'exposed ms':>10} {'vs naive':>8} {'groups/step':>11} {'reward':>13} {'dropped':>7}"]
+             f"{'exposed ms':>10} {'vs naive':>8} {'groups/step':>11} {'reward':>13} {'stale d/m':>9}"]
     for e in report["table"]:
         lines.append(f"{e['mode']:<8} {e['path']:<15} {e['packing_efficiency']:>10.3f} "
                      f"{e['learner_tokens_per_s']:>13,.0f} {e['learner_tokens_per_s_vs_naive']:>7.2f}x "
                      f"{e['learner_step_ms']:>8.2f} {e['exposed_ms_median']:>10.3f} "
                      f"{100 * e['exposed_vs_naive']:>7.0f}% {e['groups_per_step']:>11.1f} "
-                     f"{e['initial_reward']:>5.2f} -> {e['final_reward']:.2f} {e['dropped_stale_groups']:>7}")
+                     f"{e['initial_reward']:>5.2f} -> {e['final_reward']:.2f} "
+                     f"{str(e['dropped_stale_groups']) + '/' + str(e['masked_stale_groups']):>9}")
     lines.append("medians over seeds; efficiency: useful / computed tokens in learner batches; learner tok/s: useful "
                  "tokens per second of learner step time; exposed: the learner thread's time getting a batch ready, "
-                 "per step (median)")
+                 "per step (median); stale d/m: groups dropped stale when drawn / masked stale at delivery, totals "
+                 "over seeds")
     return "\n".join(lines)
 
 
@@ -907,13 +948,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--paths", nargs="+", default=list(PATHS), choices=PATHS)
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     parser.add_argument("--max-staleness", type=int, default=defaults.max_staleness)
+    parser.add_argument("--schedule", choices=("overlap", "adaptive"), default=defaults.overlap_schedule,
+                        help="the Conduit plane's schedule in overlap mode (sync mode: staged)")
     parser.add_argument("--no-scale-advantages", action="store_true", help="advantage = reward - group mean")
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args(argv)
     overrides = dict(QUICK) if args.quick else {}
     if args.iterations is not None:
         overrides["iterations"] = args.iterations
-    config = dataclasses.replace(defaults, max_staleness=args.max_staleness,
+    config = dataclasses.replace(defaults, max_staleness=args.max_staleness, overlap_schedule=args.schedule,
                                  scale_advantages=not args.no_scale_advantages, **overrides)
     seeds = list(range(args.seeds if args.seeds is not None else 2 if args.quick else 3))
     from experiments.report import command_line

@@ -1,6 +1,7 @@
 """experiments/grpo.py on its smallest configuration: the reward, the generator's behaviour log-probs against a
 recomputation, the same GRPO loss from the naive padded batch and from Conduit's packed one, and two short runs
-(synchronous and overlapped) through the packed path."""
+(synchronous on the plane's staged schedule, overlapped on overlap(1)) through the packed path, within the
+staleness bound."""
 
 from __future__ import annotations
 
@@ -69,10 +70,10 @@ def test_packed_and_naive_batches_give_the_same_loss(exp):
     naive.put(r)
     padded = naive.batch(naive.pop(0), 0)
     # a token budget large enough for every group of the generation: the same sequences in one packed batch
-    conduit = grpo.ConduitPath(dataclasses.replace(CONFIG, rows=8), "packed", None)
-    state = conduit.ingest(conduit.init(), r)
-    state, batch, info, versions = conduit.sample(state, np.int32(0))
-    packed = conduit.finish(batch, info, versions)
+    conduit = grpo.ConduitPath(dataclasses.replace(CONFIG, rows=8), "packed", None)  # a RolloutPlane, staged
+    conduit.ingest(r)
+    packed = conduit.account(*conduit.deliver())
+    conduit.plane.close()
     assert packed.groups == padded.groups == CONFIG.groups_per_batch
     assert packed.useful_tokens == padded.useful_tokens
     loss_padded, m_padded = grpo.grpo_loss(exp.policy, params, padded.batch, CONFIG.clip_eps)
@@ -90,4 +91,6 @@ def test_short_runs_through_the_packed_path(exp, mode):
     assert row["learner_steps"] >= 1 and row["generations"] == CONFIG.iterations
     assert 0.0 < row["packing_efficiency"] <= 1.0
     assert all(int(k) <= CONFIG.max_staleness for k in row["staleness_histogram"])
+    assert row["plane"]["schedule"] == ("staged" if mode == "sync" else "overlap")
+    assert row["dropped_overwritten_groups"] == 0
     assert len(row["curve"]) == CONFIG.iterations
