@@ -23,20 +23,25 @@ The pieces, each a pure function (the experiment is also their smallest test):
 
 Three experience paths move the same rollouts from generation to the same learner, on the same seeds:
   * ``naive``: rollouts fetched to the host as Python lists, each batch padded to ``[B, max_length]`` with NumPy,
-    advantages in NumPy, ``jax.device_put``;
-  * ``conduit-padded`` and ``conduit-packed``: the rollouts stay on the device and go through
-    ``conduit_jax.rollouts`` (one jitted ingest of whole groups, one jitted sample that delivers whole groups with
-    their advantages, padded to ``[B, max_length]`` or packed into ``[rows, row_length]``).
-Each runs synchronously (generate, then learn, alternating) and overlapped: a producer thread generates with a snapshot
-of the parameters and feeds the experience path while the learner thread samples and learns; no group older than
-``max_staleness`` policy versions reaches the learner, and the overlapped Conduit paths are scheduled: a delivery
-thread samples the next batch while the learner's step computes (one batch ahead), so the learner only takes it.
+    advantages in NumPy, ``jax.device_put`` (its own lock and queue, as a user writes it);
+  * ``conduit-padded`` and ``conduit-packed``: the rollouts go through ``conduit_jax.RolloutPlane``: ``ingest``
+    stages a generation's groups on the host (no kernel), ``deliver`` hands over a batch of whole groups with their
+    advantages, padded to ``[B, max_length]`` or packed into ``[rows, row_length]``, laid out by one kernel that
+    writes the staged groups first; ``set_policy_version`` after each learner step.
+Each runs synchronously (generate, then learn, alternating; Conduit on ``schedule.staged()``: the learner's deliver()
+runs the kernel) and overlapped: a producer thread generates with a snapshot of the parameters and feeds the path
+while the learner thread takes batches and learns (Conduit on ``schedule.overlap(1)``, ``--schedule adaptive`` for
+``adaptive(2, k=0)``: the plane's worker lays the next batch out during the learner's step). The producer generates
+while less than a batch's worth of groups waits. No group older than ``max_staleness`` policy versions reaches the
+loss: the naive path drops such groups when popped; the plane drops them when drawn and masks the sequences of a
+batch drawn ahead that are too old by the time it is delivered (both counted in the JSON).
 
-Reported per path and mode: packing efficiency (useful tokens / computed tokens in the learner's batches), learner
-tokens per second (useful tokens per second of learner time), the exposed experience path per iteration (the
-learner thread's time getting a batch ready: fetching and padding or ingest, transfer, sample; wall clock with
-``block_until_ready``) and the mean-reward curve; for learning, the final mean rewards of the packed overlapped path
-against the naive synchronous one over the seeds (Welch's t-test).
+Reported per path and mode: packing efficiency (useful tokens / computed tokens in the learner's batches; masked
+sequences are not useful), learner tokens per second (useful tokens per second of learner time), the exposed
+experience path per iteration (the learner thread's time on the experience path, wall clock with
+``block_until_ready``: naive: pop, pad, advantages, transfer; Conduit: ``ingest`` (sync mode) + ``deliver`` +
+``set_policy_version``), the stale groups dropped and masked, and the mean-reward curve; for learning, the final
+mean rewards of the packed overlapped path against the naive synchronous one over the seeds (Welch's t-test).
 
 Writes ``experiments/results/grpo.json`` and ``grpo.png`` (``--quick``: ``grpo_quick.*``); the run time is the
 ``wall_s`` the JSON records. ``python -m experiments.grpo --quick``; ``python -m experiments.grpo --help``.

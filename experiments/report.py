@@ -1000,11 +1000,12 @@ def section_grpo(res: Results) -> list[str]:
     data = src.data
     out += [src.provenance(), ""]
     out += table(["mode", "path", "packing efficiency", "learner tokens/s", "vs naive", "exposed per step",
-                  "vs naive", "groups / step", "mean reward (start -> end)", "dropped stale groups"],
+                  "vs naive", "groups / step", "mean reward (start -> end)", "stale groups dropped / masked"],
                  [[e["mode"], e["path"], f"{e['packing_efficiency']:.3f}", f"{e['learner_tokens_per_s']:,.0f}",
                    f"{e['learner_tokens_per_s_vs_naive']:.2f}x", f"{e['exposed_ms_median']:.3f} ms",
                    pct(e["exposed_vs_naive"], signed=False), f"{e['groups_per_step']:.1f}",
-                   f"{e['initial_reward']:.2f} -> {e['final_reward']:.2f}", e["dropped_stale_groups"]]
+                   f"{e['initial_reward']:.2f} -> {e['final_reward']:.2f}",
+                   f"{e['dropped_stale_groups']} / {e.get('masked_stale_groups', 0)}"]
                   for e in data.get("table", [])])
     out += [f"- {line}" for line in data.get("verdict", [])] + [""]
     return out + figure_line(res, "grpo", src.quick)
