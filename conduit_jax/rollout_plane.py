@@ -49,12 +49,15 @@ class RolloutPlane:
     """See the module docstring. ``spec`` and the sizes are ``rollouts.make_rollout_buffer``'s; ``schedule`` one of
     ``schedule.staged()`` (default: every batch drawn by ``deliver``), ``overlap(k)``, ``adaptive(k)``
     (``deferred`` is for priority updates, which rollouts do not have); ``learner_mesh`` the devices batches go to
-    (default: where the buffer lives)."""
+    (default: where the buffer lives). ``min_fill``: a batch is drawn once it is full (its window of
+    ``groups_per_batch`` groups, or in a packed layout a group it could not fit) or its sequences fill this share
+    of it (tokens of the budget packed, rows padded); 0 draws whatever is deliverable. A prefetching worker then
+    lays out whole batches, not a generation's leftovers."""
 
     def __init__(self, spec: rollouts.RolloutSpec, token_capacity: int, group_capacity: int, groups_per_batch: int,
                  layout: Optional[rollouts.Layout] = None, *, max_staleness: Optional[int] = None,
                  scale_advantages: bool = True, schedule: Optional[schedule_lib.Schedule] = None, mesh=None,
-                 learner_mesh=None):
+                 learner_mesh=None, min_fill: float = 1.0):
         where = "RolloutPlane()"
         self.schedule = schedule_lib.staged() if schedule is None else schedule
         if not isinstance(self.schedule, schedule_lib.Schedule):
@@ -69,6 +72,10 @@ class RolloutPlane:
         self.config, self.spec = self.buffer.config, self.buffer.spec
         if learner_mesh is not None and not isinstance(learner_mesh, jax.sharding.Mesh):
             raise ConfigError(f"{where}: learner_mesh must be a jax.sharding.Mesh, got {type(learner_mesh).__name__}")
+        if isinstance(min_fill, bool) or not isinstance(min_fill, (int, float)) or not 0.0 <= min_fill <= 1.0:
+            raise ConfigError(f"{where}: min_fill must be a number in [0, 1] (the share of a batch that must be "
+                              f"filled before it is drawn), got {min_fill!r}")
+        self.min_fill = float(min_fill)
         self.learner_mesh = learner_mesh
         self._learner_shardings = None  # per leaf of a batch, built from the first one
         self.queue = rollouts.HostQueue(self.config)  # what is stored, staged and deliverable, known on the host
@@ -86,9 +93,9 @@ class RolloutPlane:
     def ingest(self, groups: rollouts.Groups, *, timeout: Optional[float] = 0.0) -> None:
         """Take ``groups`` (``rollouts.Groups``, e.g. from ``rollouts.groups_from_lists``, or a generator's padded
         device arrays, read here; checked, ``SpecError`` naming the field, prompt and response) into the plane:
-        staged on the host, written by the next kernel. When they would overwrite undelivered groups, waits up to ``timeout`` seconds (None: for ever)
-        for deliveries to make room, then raises ``CapacityError``; nothing is written. The plane keeps no reference
-        to the caller's arrays."""
+        staged on the host, written by the next kernel. When they would overwrite undelivered groups, waits up to
+        ``timeout`` seconds (None: for ever) for deliveries to make room, then raises ``CapacityError``; nothing is
+        written. The plane keeps no reference to the caller's arrays."""
         runtime.refuse_under_trace("ingest()", "state = buffer.ingest(state, groups)")
         start = time.perf_counter()
         timeout = checked_timeout(timeout, "ingest()")
@@ -129,9 +136,10 @@ class RolloutPlane:
 
     # -- delivery ---------------------------------------------------------------------------------------------------
     def can_sample(self) -> bool:
-        """Whether a batch is deliverable now without waiting (groups not prefetched already)."""
+        """Whether a batch is deliverable now without waiting (groups not prefetched already, filling the batch as
+        ``min_fill`` asks)."""
         with self._changed:
-            return self.queue.deliverable() > 0
+            return self._sample_refusal() is None
 
     def deliver(self, *, timeout: Optional[float] = 0.0) -> rollouts.RolloutBatch:
         """The learner's next batch (``rollouts.RolloutBatch``, computed), under the plane's schedule. With nothing
@@ -186,13 +194,18 @@ class RolloutPlane:
             return tuple(batch.delivery for batch in self._schedule.in_flight)
 
     def _sample_refusal(self):
-        if self.queue.deliverable() > 0:
-            return None
+        deliverable = self.queue.deliverable()
+        if deliverable:
+            _, full, fill = self.queue.next_batch()
+            if full or fill >= self.min_fill:
+                return None
         prefetched = len(self._schedule.in_flight)
         held = f"; {prefetched} batches the {self.schedule.name} schedule prefetched wait for deliver()" \
             if prefetched else ""
-        return NotEnoughDataError, (f"deliver(): no group is deliverable ({int(np.sum(self.queue.undelivered()))} "
-                                    f"undelivered stored, none fresh enough){held}; ingest more first")
+        what = (f"{deliverable} deliverable groups fill {fill:.0%} of a batch, min_fill is {self.min_fill:.0%}"
+                if deliverable else f"no group is deliverable ({int(np.sum(self.queue.undelivered()))} undelivered "
+                                    f"stored, none fresh enough)")
+        return NotEnoughDataError, f"deliver(): {what}{held}; ingest more first"
 
     def _pend(self, checked) -> None:
         raise ConfigError("rollouts have no priorities")
@@ -236,9 +249,9 @@ class RolloutPlane:
             return self.engine.state
 
     def __len__(self) -> int:
-        """Groups stored and not yet delivered (staged ones included)."""
+        """Groups that would still be delivered: stored (or staged), not drawn yet, fresh enough."""
         with self._changed:
-            return int(np.sum(self.queue.undelivered()))
+            return self.queue.deliverable()
 
     def stats(self) -> dict[str, Any]:
         """Counts from the host's bookkeeping (groups drawn into batches, dropped as stale or overwritten, sequences

@@ -602,19 +602,26 @@ class HostQueue:
             cursor = begin + total
         return places, retired & self.live
 
+    def _queued_slots(self) -> np.ndarray:
+        """The slot of each queue position from the reader on, oldest first."""
+        return np.arange(self.read, self.written) % self.config.group_capacity
+
+    def _fresh(self) -> np.ndarray:
+        """bool[group_capacity]: slots holding a stored group fresh enough to deliver."""
+        eta = self.config.max_staleness
+        return self.live if eta is None else self.live & (self.version >= self.policy_version - eta)
+
     def undelivered(self) -> np.ndarray:
         """bool[group_capacity]: slots holding a group the queue has not passed."""
         queued = np.zeros_like(self.live)
-        queued[np.arange(self.read, self.written) % self.config.group_capacity] = True
+        queued[self._queued_slots()] = True
         return queued & self.live
 
     def retires_undelivered(self, lengths, fresh_only: bool = False) -> int:
         """How many undelivered groups (``fresh_only``: that are still fresh enough to deliver) an ingest of groups
         with these ``lengths`` [k, G] would retire."""
         retired = self._place(np.asarray(lengths))[1] & self.undelivered()
-        if fresh_only:
-            retired &= np.array([self._fresh(slot) for slot in range(self.config.group_capacity)])
-        return int(np.sum(retired))
+        return int(np.sum(retired & self._fresh() if fresh_only else retired))
 
     def ingest(self, lengths, versions) -> None:
         lengths, versions = np.asarray(lengths), np.asarray(versions)
@@ -630,30 +637,32 @@ class HostQueue:
         self.written += len(places)
         self.read = max(self.read, self.written - self.config.group_capacity)
 
-    def _fresh(self, slot: int) -> bool:
-        eta = self.config.max_staleness
-        return bool(self.live[slot]) and (eta is None or self.version[slot] >= self.policy_version - eta)
-
     def deliverable(self) -> int:
         """Groups the queue would still deliver (stored, undelivered, fresh enough)."""
-        return sum(self._fresh(q % self.config.group_capacity) for q in range(self.read, self.written))
+        return int(np.sum(self._fresh()[self._queued_slots()]))
 
     def plan(self) -> BatchPlan:
         """The next batch, as ``buffer.plan(state)`` computes it (NumPy arrays)."""
+        return self.next_batch()[0]
+
+    def next_batch(self) -> tuple[BatchPlan, bool, float]:
+        """``(plan, full, fill)``: the next batch's plan; whether it is full (its window of ``groups_per_batch``
+        groups, or in a packed layout a group it could not fit: it cannot grow); and the share of the batch its
+        sequences fill (tokens of the budget packed, rows padded)."""
         config, size = self.config, self.config.spec.group_size
         batch = config.groups_per_batch
         slots, taken = np.zeros(batch, np.int32), np.zeros(batch, bool)
         rows, columns = np.zeros((batch, size), np.int32), np.zeros((batch, size), np.int32)
         packed = config.layout.name == "packed"
         fill = np.zeros(config.layout.rows if packed else 1, np.int64)
-        wanted, left = 0, None  # left: the first deliverable position not taken
-        for position, q in enumerate(range(self.read, self.written)):
-            slot = q % config.group_capacity
-            if not self._fresh(slot):
-                continue
+        queued, fresh = self._queued_slots(), self._fresh()
+        positions = np.flatnonzero(fresh[queued])[:batch + 1]  # the window, and the first position after it
+        left = None  # the first deliverable position not taken
+        for wanted, position in enumerate(positions):
             if wanted == batch:
                 left = position if left is None else left
                 break
+            slot = queued[position]
             slots[wanted] = slot
             fits = True
             if packed:
@@ -672,11 +681,14 @@ class HostQueue:
             taken[wanted] = fits
             if not fits and left is None:
                 left = position
-            wanted += 1
-        advance = self.written - self.read if left is None else left
-        passed = [q % config.group_capacity for q in range(self.read, self.read + advance)]
-        stale = sum(bool(self.live[slot]) and not self._fresh(slot) for slot in passed)
-        return BatchPlan(slots, taken, rows, columns, np.int32(advance), np.int32(stale))
+        advance = self.written - self.read if left is None else int(left)
+        passed = queued[:advance]
+        stale = int(np.sum(self.live[passed] & ~fresh[passed]))
+        plan = BatchPlan(slots, taken, rows, columns, np.int32(advance), np.int32(stale))
+        full = bool(taken.all()) or bool(np.any(~taken[:min(len(positions), batch)]))
+        share = float(fill.sum()) / (config.layout.rows * config.layout.row_length) if packed else \
+            float(taken.sum()) / batch
+        return plan, full, share
 
     def commit(self, plan: BatchPlan) -> int:
         """Record that a batch of ``plan`` was dispatched; returns its groups."""

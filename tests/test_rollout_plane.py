@@ -116,7 +116,7 @@ def test_a_grpo_loop_gets_whole_fresh_groups_once_in_order(policy):
 
 def test_staged_ingest_dispatches_nothing_and_one_kernel_delivers():
     spec = rollouts.RolloutSpec(GROUP, 12, {"tokens": np.int32})
-    plane = RolloutPlane(spec, 512, 16, 2, rollouts.packed(4, 24))
+    plane = RolloutPlane(spec, 512, 16, 2, rollouts.packed(4, 24), min_fill=0.0)
     rng = np.random.default_rng(0)
     plane.ingest(make_groups(rng, 2, 0, 0)[0])
     plane.ingest(make_groups(rng, 1, 0, 100)[0])
@@ -203,7 +203,7 @@ def test_device_groups_are_checked_by_value_and_a_refused_ingest_stages_nothing(
     from conduit_jax.errors import SpecError
 
     spec = rollouts.RolloutSpec(GROUP, 12, {"tokens": np.int32})
-    plane = RolloutPlane(spec, 512, 16, 2)
+    plane = RolloutPlane(spec, 512, 16, 2, min_fill=0.0)
     groups, _ = make_groups(np.random.default_rng(6), 1, 0, 0)
     bad = jax.tree.map(jnp.asarray, groups._replace(lengths=np.where(np.arange(GROUP) == 2, 13, groups.lengths)))
     with pytest.raises(SpecError, match=r"lengths of prompt 0, response 2 is 13, expected 1..12"):
@@ -211,3 +211,29 @@ def test_device_groups_are_checked_by_value_and_a_refused_ingest_stages_nothing(
     assert len(plane) == 0 and plane.stats()["groups_ingested"] == 0
     plane.ingest(jax.tree.map(jnp.asarray, groups))
     assert int(plane.deliver().groups) == 1
+
+
+def test_a_batch_waits_until_it_is_full_or_filled_enough():
+    """min_fill=1 (the default): a batch is drawn once its window of groups is there or a group did not fit; a
+    lower min_fill draws once the sequences fill that share of the token budget."""
+    spec = rollouts.RolloutSpec(GROUP, 12, {"tokens": np.int32})
+    rng = np.random.default_rng(7)
+    plane = RolloutPlane(spec, 1024, 16, 3, rollouts.packed(8, 24))
+    plane.ingest(make_groups(rng, 2, 0, 0)[0])
+    assert not plane.can_sample()
+    with pytest.raises(NotEnoughDataError, match=r"2 deliverable groups fill \d+% of a batch, min_fill is 100%"):
+        plane.deliver()
+    plane.ingest(make_groups(rng, 1, 0, 100)[0])  # the window's third group
+    assert int(plane.deliver().groups) == 3
+    lenient = RolloutPlane(spec, 1024, 16, 3, rollouts.packed(2, 24), min_fill=0.3)
+
+    def group(length):  # four responses of `length` tokens
+        return rollouts.groups_from_lists(spec, tokens=[[[1] * length] * GROUP], rewards=[[0.0] * GROUP],
+                                          prompt_lengths=[[0] * GROUP], policy_version=0)
+
+    lenient.ingest(group(1))  # 4 tokens of a 48-token budget: 8%
+    assert not lenient.can_sample()
+    lenient.ingest(group(3))  # 16 of 48: 33%
+    assert lenient.can_sample() and int(lenient.deliver().groups) == 2
+    with pytest.raises(ConfigError, match="min_fill must be a number in"):
+        RolloutPlane(spec, 1024, 16, 3, min_fill=1.5)
