@@ -235,7 +235,7 @@ class RolloutPlane:
             if version < self.queue.policy_version:
                 raise ConfigError(f"set_policy_version(): versions only move forward; the plane is at "
                                   f"{self.queue.policy_version}, got {version}")
-            self.queue.policy_version = int(version)
+            self.queue.set_policy_version(version)
             self._schedule.switched()
             self._changed.notify_all()
 

@@ -588,6 +588,10 @@ class HostQueue:
         self.live = np.zeros(groups, bool)
         self.cursor = self.written = self.read = self.policy_version = 0
         self.delivered = self.dropped_stale = self.dropped_overwritten = 0
+        self._next = None  # next_batch(), kept until the queue changes (a check, then the draw, plan it once)
+
+    def set_policy_version(self, version: int) -> None:
+        self.policy_version, self._next = int(version), None
 
     def _place(self, lengths: np.ndarray):
         """(slot, begin, end) of each new group, and the stored groups the writes retire."""
@@ -624,6 +628,7 @@ class HostQueue:
         return int(np.sum(retired & self._fresh() if fresh_only else retired))
 
     def ingest(self, lengths, versions) -> None:
+        self._next = None
         lengths, versions = np.asarray(lengths), np.asarray(versions)
         places, retired = self._place(lengths)
         self.dropped_overwritten += int(np.sum(retired & self.undelivered()))
@@ -649,12 +654,18 @@ class HostQueue:
         """``(plan, full, fill)``: the next batch's plan; whether it is full (its window of ``groups_per_batch``
         groups, or in a packed layout a group it could not fit: it cannot grow); and the share of the batch its
         sequences fill (tokens of the budget packed, rows padded)."""
+        if self._next is None:
+            self._next = self._next_batch()
+        return self._next
+
+    def _next_batch(self) -> tuple[BatchPlan, bool, float]:
         config, size = self.config, self.config.spec.group_size
         batch = config.groups_per_batch
         slots, taken = np.zeros(batch, np.int32), np.zeros(batch, bool)
         rows, columns = np.zeros((batch, size), np.int32), np.zeros((batch, size), np.int32)
         packed = config.layout.name == "packed"
-        fill = np.zeros(config.layout.rows if packed else 1, np.int64)
+        fill = [0] * (config.layout.rows if packed else 1)  # tokens per row (Python: a few rows, many lookups)
+        row_length = config.layout.row_length
         queued, fresh = self._queued_slots(), self._fresh()
         positions = np.flatnonzero(fresh[queued])[:batch + 1]  # the window, and the first position after it
         left = None  # the first deliverable position not taken
@@ -666,14 +677,15 @@ class HostQueue:
             slots[wanted] = slot
             fits = True
             if packed:
-                trial, lengths = fill.copy(), self.length[slot]
-                for member in np.argsort(-lengths, kind="stable"):
-                    room = np.flatnonzero(trial + lengths[member] <= config.layout.row_length)
-                    if room.size == 0:
+                trial, lengths = list(fill), self.length[slot].tolist()
+                for member in sorted(range(size), key=lengths.__getitem__, reverse=True):  # stable: longest first
+                    length = lengths[member]
+                    row = next((r for r, used in enumerate(trial) if used + length <= row_length), None)
+                    if row is None:
                         fits = False
                         break
-                    rows[wanted, member], columns[wanted, member] = room[0], trial[room[0]]
-                    trial[room[0]] += lengths[member]
+                    rows[wanted, member], columns[wanted, member] = row, trial[row]
+                    trial[row] += length
                 if fits:
                     fill = trial
             else:
@@ -686,12 +698,13 @@ class HostQueue:
         stale = int(np.sum(self.live[passed] & ~fresh[passed]))
         plan = BatchPlan(slots, taken, rows, columns, np.int32(advance), np.int32(stale))
         full = bool(taken.all()) or bool(np.any(~taken[:min(len(positions), batch)]))
-        share = float(fill.sum()) / (config.layout.rows * config.layout.row_length) if packed else \
+        share = sum(fill) / (config.layout.rows * config.layout.row_length) if packed else \
             float(taken.sum()) / batch
         return plan, full, share
 
     def commit(self, plan: BatchPlan) -> int:
         """Record that a batch of ``plan`` was dispatched; returns its groups."""
+        self._next = None
         count = int(np.sum(plan.taken))
         self.live[np.asarray(plan.slots)[np.asarray(plan.taken)]] = False
         self.read += int(plan.advance)

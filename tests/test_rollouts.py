@@ -155,7 +155,8 @@ def test_matches_the_reference_through_wraps_overwrites_and_staleness(layout, pe
         elif action == "version":
             version += int(rng.integers(1, 3))  # a jump of 2 leaves queued groups stale at once
             state = set_version(state, version)
-            reference.version = host.policy_version = version
+            reference.version = version
+            host.set_policy_version(version)
         else:
             assert bool(buffer.can_sample(state)) == any(
                 staleness is None or g[0]["version"] >= version - staleness for g in reference.queue)
