@@ -531,3 +531,13 @@ def wait_until(changed: threading.Condition, refusal, timeout: Optional[float]) 
             raise error(message + (f" (waited {timeout} s)" if timeout else ""))
         changed.wait(None if remaining is None else min(remaining, threading.TIMEOUT_MAX))
         reason = refusal()
+
+
+def check_version(version, current: int) -> None:
+    """``set_policy_version()``'s argument checked: an int in [0, 2**31) and not below ``current`` (versions only move
+    forward); ConfigError naming it otherwise."""
+    if not isinstance(version, (int, np.integer)) or isinstance(version, bool) or not 0 <= version < 2**31:
+        raise ConfigError(f"set_policy_version(): version must be an int in [0, 2**31), got {version!r}")
+    if version < current:
+        raise ConfigError(f"set_policy_version(): versions only move forward; the plane is at {current}, got "
+                          f"{version}")

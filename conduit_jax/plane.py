@@ -26,7 +26,7 @@ from jax.sharding import Mesh, NamedSharding
 from conduit_jax import checkpoint, functional, limits, memory, metrics, replay, runtime, samplers
 from conduit_jax import schedule as schedule_lib
 from conduit_jax import staging as staging_lib
-from conduit_jax.delivery import CountedLock, Scheduler, checked_timeout, wait_until, weakly
+from conduit_jax.delivery import CountedLock, Scheduler, check_version, checked_timeout, wait_until, weakly
 from conduit_jax.engine import Engine
 from conduit_jax.errors import CapacityError, ConfigError, NotEnoughDataError, RateLimitedError, SpecError
 from conduit_jax.limits import LimiterState, Staleness
@@ -459,13 +459,9 @@ class ExperienceDataPlane:
         """Tell the plane the learner's current policy version (it never goes back). With ``staleness`` set, items
         more than ``max_versions`` behind are never delivered from now on."""
         runtime.refuse_under_trace("set_policy_version()", "state = buffer.set_policy_version(state, version)")
-        if not isinstance(version, (int, np.integer)) or isinstance(version, bool) or not 0 <= version < 2**31:
-            raise ConfigError(f"set_policy_version(): version must be an int in [0, 2**31), got {version!r}")
+        check_version(version, 0)  # its type and range before held() writes what is staged
         with self.held():
-            current = self.engine.status()["policy_version"]
-            if version < current:
-                raise ConfigError(f"set_policy_version(): versions only move forward; the plane is at {current}, "
-                                  f"got {version}")
+            check_version(version, self.engine.status()["policy_version"])
             self.engine.set_policy_version(version)
             self._schedule.switched()  # batches drawn before this are re-checked when delivered
             self._changed.notify_all()

@@ -38,7 +38,7 @@ from jax.sharding import PartitionSpec as P
 
 from conduit_jax import metrics, rollouts, runtime
 from conduit_jax import schedule as schedule_lib
-from conduit_jax.delivery import CountedLock, Scheduler, checked_timeout, wait_until, weakly
+from conduit_jax.delivery import CountedLock, Scheduler, check_version, checked_timeout, wait_until, weakly
 from conduit_jax.engine import RolloutEngine
 from conduit_jax.errors import CapacityError, ConfigError, NotEnoughDataError
 
@@ -229,12 +229,8 @@ class RolloutPlane:
         """The learner's policy version (it never goes back): groups more than ``max_staleness`` behind are never
         delivered from now on, and prefetched batches are re-checked when delivered."""
         runtime.refuse_under_trace("set_policy_version()", "state = buffer.set_policy_version(state, version)")
-        if not isinstance(version, (int, np.integer)) or isinstance(version, bool) or not 0 <= version < 2**31:
-            raise ConfigError(f"set_policy_version(): version must be an int in [0, 2**31), got {version!r}")
         with self._changed:
-            if version < self.queue.policy_version:
-                raise ConfigError(f"set_policy_version(): versions only move forward; the plane is at "
-                                  f"{self.queue.policy_version}, got {version}")
+            check_version(version, self.queue.policy_version)
             self.queue.set_policy_version(version)
             self._schedule.switched()
             self._changed.notify_all()

@@ -72,8 +72,7 @@ class RolloutSpec(NamedTuple):
     def check(self, where: str = "RolloutSpec") -> "RolloutSpec":
         for name, value, low, why in (("group_size", self.group_size, 2, " (advantages compare a group's responses)"),
                                       ("max_length", self.max_length, 1, "")):
-            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < low:
-                raise ConfigError(f"{where}: {name} must be an int >= {low}{why}, got {value!r}")
+            _checked_int(value, name, where, low, why)
         if not self.token_leaves:
             raise ConfigError(f"{where}: token_leaves is empty; name at least the tokens, e.g. {{'tokens': np.int32}}")
         for name, dtype in self.token_leaves.items():
@@ -84,6 +83,13 @@ class RolloutSpec(NamedTuple):
             except TypeError as error:
                 raise ConfigError(f"{where}: token leaf {name!r} has dtype {dtype!r}, not a NumPy dtype") from error
         return self
+
+
+def _checked_int(value, name: str, where: str, low: int, why: str = "") -> int:
+    """``value`` as an int when it is one (not a bool) and at least ``low``, else a ConfigError naming it."""
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < low:
+        raise ConfigError(f"{where}: {name} must be an int >= {low}{why}, got {value!r}")
+    return int(value)
 
 
 class Groups(NamedTuple):
@@ -110,10 +116,8 @@ class Layout(NamedTuple):
 
 def packed(rows: int, row_length: int) -> Layout:
     """Sequences placed whole into a ``[rows, row_length]`` token budget, several per row."""
-    for name, value in (("rows", rows), ("row_length", row_length)):
-        if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
-            raise ConfigError(f"rollouts.packed(): {name} must be an int >= 1, got {value!r}")
-    return Layout("packed", int(rows), int(row_length))
+    return Layout("packed", _checked_int(rows, "rows", "rollouts.packed()", 1),
+                  _checked_int(row_length, "row_length", "rollouts.packed()", 1))
 
 
 def padded() -> Layout:
@@ -195,9 +199,8 @@ def make_rollout_buffer(spec: RolloutSpec, token_capacity: int, group_capacity: 
     layout = packed(8, 4 * spec.max_length) if layout is None else layout
     for name, value, low in (("token_capacity", token_capacity, spec.group_size * spec.max_length),
                              ("group_capacity", group_capacity, 1), ("groups_per_batch", groups_per_batch, 1)):
-        if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < low:
-            why = " (one group of sequences at max_length must fit)" if name == "token_capacity" else ""
-            raise ConfigError(f"{where}: {name} must be an int >= {low}{why}, got {value!r}")
+        _checked_int(value, name, where, low,
+                     " (one group of sequences at max_length must fit)" if name == "token_capacity" else "")
     if groups_per_batch > group_capacity:
         raise ConfigError(f"{where}: groups_per_batch={groups_per_batch} exceeds group_capacity={group_capacity}")
     if max_staleness is not None and (not isinstance(max_staleness, (int, np.integer)) or max_staleness < 0):
