@@ -196,7 +196,8 @@ SLOW_VARIANTS = (
     "tests/test_rollouts.py::test_matches_the_reference_through_wraps_overwrites_and_staleness[[]layout2-*",
     "tests/test_rollout_plane.py::test_a_grpo_loop_gets_whole_fresh_groups_once_in_order[[]overlap]",
 )
-SLOW_KEPT = ("test_delivery_is_sharded_over_the_mesh_axes",)
+SLOW_KEPT = ("test_delivery_is_sharded_over_the_mesh_axes",  # the samplers' sharding, on the mesh
+             "test_a_mix_of_sample_and_deliver_keeps_fifo_exactly_once_and_epochs_once_per_epoch")  # issue 42: 1 and 8
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
