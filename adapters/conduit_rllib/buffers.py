@@ -46,7 +46,7 @@ What RLlib users can rely on, as RLlib defines it:
 
 How: steps are items of a Conduit buffer (``samplers.prioritized``; ``alpha=0`` for the uniform class) in a ring of
 ``2 * capacity`` steps, so the steps RLlib keeps are always stored while evicted ones wait to be overwritten
-(``Buffer.retire`` takes them out of sampling at once). Each step links to the next step of its episode; one jitted
+(``Buffer.retire`` takes them out of sampling at once). Each step links to the next step of its episode; one compiled
 kernel draws, follows the links for n-step windows (``Buffer.read``), redraws what RLlib would, and computes the
 weights. For PER's redraw it draws more steps than the batch needs, as many as the share of fitting windows in
 earlier draws asks for (``candidate_count``), so one kernel suffices even when most of the priority mass sits on
@@ -119,7 +119,8 @@ from ray.rllib.utils.replay_buffers.multi_agent_prioritized_episode_buffer impor
     MultiAgentPrioritizedEpisodeReplayBuffer)
 from ray.rllib.utils.replay_buffers.prioritized_episode_buffer import PrioritizedEpisodeReplayBuffer
 
-from conduit_jax import ExperienceSpec, default_mesh, make_buffer, samplers
+from conduit_jax import ExperienceSpec, default_mesh, engine, make_buffer, samplers
+from conduit_jax.replay import compile_size
 
 logger = logging.getLogger(__name__)
 
@@ -136,7 +137,7 @@ ADAPTIVE_WAIT_SHARE = 0.1  # adaptive: overlap gives way once sample() waits mor
 ADAPTIVE_RETRY_AFTER = 32  # adaptive: overlap is tried again after this many batches drawn the deferred way
 MOST_CANDIDATES = 1 << 14  # PER's redraw: steps one draw kernel takes by priority at most (beyond 64 x the batch)
 _BUFFERS: dict = {}  # (layout, sampler batch size) -> functional Buffer; the state is each buffer's own
-_KERNELS: dict = {}  # (layout, kind, static arguments) -> jitted kernel
+_KERNELS: dict = {}  # (layout, kind, static arguments) -> compiled kernel (engine.compiled, rllib_<kind>)
 
 
 class ConduitBatch(list):
@@ -342,10 +343,6 @@ def adaptive_choice(current: str, waited_s: float, learner_s: float, deferred_ba
     return "overlap" if deferred_batches >= ADAPTIVE_RETRY_AFTER else "deferred"
 
 
-def _bucket(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
-
-
 def candidate_count(need: int, share: float) -> int:
     """How many steps a draw takes by priority when a ``share`` of the priority mass sits on steps whose n-step window
     fits and ``need`` of those must be among them: the binomial mean at least three standard deviations (plus 4) above
@@ -353,7 +350,7 @@ def candidate_count(need: int, share: float) -> int:
     power of two, so a share that drifts compiles few kernel sizes (finer sizes compiled one kernel after another
     while priorities moved the share, and the compiles took much of a warm-up)."""
     target = math.ceil(min((need + 3 * math.sqrt(need) + 4) / max(share, 1e-9), max(64 * need, MOST_CANDIDATES)))
-    return _bucket(target)
+    return compile_size(target)
 
 
 class _ConduitEpisodeBuffer:
@@ -479,26 +476,26 @@ class _ConduitEpisodeBuffer:
 
     def _kernel(self, kind: str, *static):
         key = (self._layout(), kind) + static
-        if key not in _KERNELS:
-            _KERNELS[key] = getattr(self, f"_make_{kind}")(*static)
+        if key not in _KERNELS:  # the pure step over the core's state, compiled with the state donated
+            _KERNELS[key] = engine.compiled(getattr(self, f"_make_{kind}")(*static), f"rllib_{kind}",
+                                            donate_argnums=0)
         return _KERNELS[key]
 
     def _make_ingest(self):
-        buffer = self._buffer(self.num_shards)
-        return jax.jit(buffer.ingest, donate_argnums=0)
+        return self._buffer(self.num_shards).ingest
 
     def _make_link(self):
         def link(links, full, patch):
             links = links.at[:, full[0]].set(full[1:], mode="drop")
             return links.at[0, patch[0]].set(patch[1], mode="drop")
 
-        return jax.jit(link, donate_argnums=0)
+        return link
 
     def _make_retire(self):
-        return jax.jit(self._buffer(self.num_shards).retire, donate_argnums=0)
+        return self._buffer(self.num_shards).retire
 
     def _make_update(self):
-        return jax.jit(self._buffer(self.num_shards).update, donate_argnums=0)
+        return self._buffer(self.num_shards).update
 
     def _make_update_draw(self, *draw_static):
         """A priority update and the draw after it in one kernel (overlap: one dispatch per ``update_priorities``)."""
@@ -507,10 +504,10 @@ class _ConduitEpisodeBuffer:
         def update_draw(state, ids, values, *draw_args):
             return draw(update(state, ids, values), *draw_args)
 
-        return jax.jit(update_draw, donate_argnums=0)
+        return update_draw
 
     def _make_draw(self, candidates: int, size: int, longest: int, redraw: bool):
-        """One jitted draw: ``candidates`` steps by priority, their n-step windows followed through the links,
+        """One draw: ``candidates`` steps by priority, their n-step windows followed through the links,
         the first ``size`` whose window fits (``redraw``: RLlib's PER resampling) or all of them (windows clipped at
         the episode's end), and the importance weights for ``beta``."""
         buffer = self._buffer(candidates)
@@ -558,7 +555,7 @@ class _ConduitEpisodeBuffer:
             columns = {k: v[order] for k, v in columns.items()}
             return state, columns, delivery.ids[order], (fitting >= size) & delivery.valid, fitting
 
-        return jax.jit(draw, donate_argnums=0)
+        return draw
 
     def _make_sequences(self, size: int, length: int):
         """RLlib's ``[B, T]`` batch: each row starts at a uniformly drawn step and runs to its episode's end (the
@@ -608,7 +605,7 @@ class _ConduitEpisodeBuffer:
             _, out = jax.lax.scan(entry, carry, jnp.arange(length))
             return state, {k: jnp.swapaxes(v, 0, 1) for k, v in out.items()}
 
-        return jax.jit(sequences, donate_argnums=0)
+        return sequences
 
     def _make_slices(self, size: int, lookback: int, length: int):
         """RLlib's sequences of episodes: for each of ``size`` uniformly drawn steps, the ring rows of up to
@@ -641,7 +638,7 @@ class _ConduitEpisodeBuffer:
             end = buffer.read(state, last)
             return state, rows, delivery.valid, data, {k: end[k] for k in at_end}
 
-        return jax.jit(slices, donate_argnums=0)
+        return slices
 
     # -- add ------------------------------------------------------------------------------------------------------
     def _chunk(self, episode) -> _Chunk:
@@ -861,7 +858,7 @@ class _ConduitEpisodeBuffer:
                 drawn = np.asarray(self._prefetched.ids).astype(np.int64)
                 if np.isin(drawn[:, 0] << 32 | drawn[:, 1], ids[:, 0].astype(np.int64) << 32 | ids[:, 1]).any():
                     self._prefetched = None
-            ids = np.concatenate([ids, np.full((_bucket(ids.shape[0]) - ids.shape[0], 2), -1, np.int32)])
+            ids = np.concatenate([ids, np.full((compile_size(ids.shape[0]) - ids.shape[0], 2), -1, np.int32)])
             self._state = self._kernel("retire")(self._state, ids)
         for chunk in written:
             record = chunk.record
@@ -893,9 +890,9 @@ class _ConduitEpisodeBuffer:
         steps = written.shape[1]
         patch_items = np.asarray(patches, np.int64).reshape(-1, 2).T
         rows = self._rows(np.concatenate([written.reshape(-1), patch_items.reshape(-1)]))  # one id lookup
-        full = np.full((written.shape[0], _bucket(steps)), -1, np.int32)
+        full = np.full((written.shape[0], compile_size(steps)), -1, np.int32)
         full[:, :steps] = rows[:written.size].reshape(written.shape)
-        patch = np.full((2, _bucket(max(patch_items.shape[1], 1))), -1, np.int32)
+        patch = np.full((2, compile_size(max(patch_items.shape[1], 1))), -1, np.int32)
         patch[:, :patch_items.shape[1]] = rows[written.size:].reshape(patch_items.shape)
         for block in (full, patch):
             block[0] = np.where(block[0] >= 0, block[0], self.storage_capacity)
@@ -1108,7 +1105,7 @@ class _ConduitEpisodeBuffer:
         # windows in earlier draws asks for, so one kernel almost always has enough (more, joined, when not)
         candidates = candidate_count(padded, self._fit_share.get(request.n_range, 1.0)) if redraw else padded
         candidates += (-candidates) % self.num_shards
-        static = (candidates, padded, _bucket(high), redraw)
+        static = (candidates, padded, compile_size(high), redraw)
         n = self.rng.integers(low, high + 1, size=candidates, dtype=np.int32) if low < high else \
             np.full(candidates, low, np.int32)
         args = (self._links, n, np.float32(request.beta), np.float32(request.gamma), np.uint32(self.seed),
