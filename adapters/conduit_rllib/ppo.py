@@ -51,12 +51,8 @@ from conduit_jax import ExperienceDataPlane, ExperienceSpec, default_mesh, engin
 from conduit_jax.replay import compile_size
 from conduit_rllib.dlpack import jax_to_torch, torch_to_jax
 
+# the GAE kernel is compiled for compile_size(max(n, _MIN_BUCKET)) rows (a power of two; padding rows are masked out)
 _MIN_BUCKET = 256
-
-
-def _bucket(n: int) -> int:
-    """Rows the GAE kernel is compiled for: a power of two (padding rows are masked out), at least 256."""
-    return compile_size(max(n, _MIN_BUCKET))
 
 
 # RLlib's ``compute_value_targets`` + advantage standardisation on the first ``n`` rows of padded columns
@@ -88,7 +84,7 @@ class ConduitGAE(ConnectorV2):
                 values = module.compute_values(module_batch)
             device = values.device
             n = int(values.shape[0])
-            size = _bucket(n)
+            size = compile_size(max(n, _MIN_BUCKET))
             # fresh, 64-byte-aligned CPU tensors owned here: handed to JAX without a copy
             inputs = [_padded(values, size, torch.float32),
                       _padded(module_batch[Columns.REWARDS], size, torch.float32),
