@@ -16,6 +16,7 @@ values only.
 
 from __future__ import annotations
 
+import importlib
 import io
 import json
 import pathlib
@@ -104,7 +105,7 @@ def save_buffer(buffer, path, *, filesystem: Optional["pyarrow.fs.FileSystem"] =
 
 def load_buffer(buffer, path, *, filesystem: Optional["pyarrow.fs.FileSystem"] = None) -> None:
     """Read a directory written by ``save_buffer`` into ``buffer`` (``buffer.set_state``)."""
-    import ml_dtypes  # noqa: F401  (registers bfloat16 & co. with NumPy; a JAX dependency)
+    importlib.import_module("ml_dtypes")  # registers bfloat16 & co. with NumPy (a JAX dependency)
 
     filesystem, path = _filesystem(path, filesystem)
     where = f"load_buffer({path})"
