@@ -3,7 +3,9 @@
 * Replay buffers (``replay_buffer_config={"type": "conduit_rllib.<ClassName>", ...}``):
   ``ConduitEpisodeReplayBuffer`` (uniform), ``ConduitPrioritizedEpisodeReplayBuffer`` (PER), and for multi-agent
   episodes ``ConduitMultiAgentEpisodeReplayBuffer``, ``ConduitMultiAgentPrioritizedEpisodeReplayBuffer`` --
-  ``buffers.py``.
+  ``buffers.py``; their shared implementation in ``store.py`` (one ring: add, sample, priorities, state),
+  ``multi_agent.py`` (a store per module), ``draws.py`` (the kernels' pure steps), ``episode_index.py`` (the host-side
+  episode index) and ``batch.py`` (``ConduitBatch``, what ``deliver="torch"`` hands a learner).
 * Learners fed through DLPack (``config.training(learner_class=...)``): ``ConduitDQNTorchLearner``,
   ``ConduitSACTorchLearner`` (with ``deliver="torch"`` buffers) -- ``learners.py``; ``ConduitPPOTorchLearner`` (GAE
   in JAX, epoch minibatches from a plane) -- ``ppo.py``.

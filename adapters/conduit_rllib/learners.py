@@ -22,7 +22,7 @@ from ray.rllib.algorithms.sac.torch.sac_torch_learner import SACTorchLearner
 from ray.rllib.core.learner.learner import Learner
 from ray.rllib.policy.sample_batch import MultiAgentBatch, SampleBatch
 
-from conduit_rllib.buffers import ConduitBatch
+from conduit_rllib.batch import ConduitBatch
 from conduit_rllib.dlpack import jax_to_torch
 
 if not hasattr(Learner, "_make_batch_if_necessary"):  # pragma: no cover - guards an RLlib upgrade

@@ -1,0 +1,257 @@
+"""The draws RLlib asks a Conduit buffer for, as pure functions over the core's state (a ``conduit_jax.make_buffer``
+``ReplayState``) and the links (int32[3, ring]: for each stored step the ring row of the next step of its episode (-1:
+none stored yet), of the previous one (-1: the episode's first) and of its episode's first stored step).
+
+Each ``make_*`` closes over static arguments and returns the pure step a store compiles (``engine.compiled``, the
+state donated) and keeps per layout and static arguments; ``buffer_for(batch)`` is the store's functional buffer
+drawing ``batch`` items.
+
+* ``make_draw``: n-step transitions, PER's redraw and importance weights; ``make_update_draw``: a priority update and
+  the draw after it in one kernel; ``make_sequences``: RLlib's ``[B, T]`` batch; ``make_slices``: the rows of
+  episode slices; ``link``: an add's links.
+* On the host: ``candidate_count`` (how many steps PER's redraw draws), ``joined`` (one batch from several draws),
+  ``exact_values`` (float64 columns back bit for bit), ``to_host``.
+
+For PER's redraw a draw takes more steps than the batch needs, as many as the share of fitting windows in earlier
+draws asks for (``candidate_count``), so one kernel suffices even when most of the priority mass sits on steps near an
+episode's end (short episodes); where even its largest draw has too few, the fitting steps of several draws are
+joined, as RLlib resamples one step at a time.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from ray.rllib.core.columns import Columns
+
+from conduit_jax.replay import compile_size
+from conduit_rllib.episode_index import EXACT, unbits
+
+MOST_CANDIDATES = 1 << 14  # PER's redraw: steps one draw kernel takes by priority at most (beyond 64 x the batch)
+
+
+class Request(NamedTuple):
+    """What a ``sample()`` call asks for; a prefetched batch is handed over only to the same request."""
+
+    size: int
+    n_range: tuple  # (low, high), inclusive
+    beta: float
+    gamma: float
+
+
+class Drawn(NamedTuple):
+    """A draw kernel's batch for ``request`` (its arrays may still be computing)."""
+
+    request: Request
+    columns: dict
+    ids: jax.Array
+    enough: jax.Array  # bool[]: enough windows fitted (PER's redraw)
+    fitting: jax.Array  # int32[]: how many of the candidates' windows fitted
+    candidates: int  # steps drawn by priority
+
+
+def candidate_count(need: int, share: float) -> int:
+    """How many steps a draw takes by priority when a ``share`` of the priority mass sits on steps whose n-step window
+    fits and ``need`` of those must be among them: the binomial mean at least three standard deviations (plus 4) above
+    ``need``, at most ``max(64 * need, MOST_CANDIDATES)`` (a smaller share takes several draws); rounded up to a
+    power of two, so a share that drifts compiles few kernel sizes (finer sizes compiled one kernel after another
+    while priorities moved the share, and the compiles took much of a warm-up)."""
+    target = math.ceil(min((need + 3 * math.sqrt(need) + 4) / max(share, 1e-9), max(64 * need, MOST_CANDIDATES)))
+    return compile_size(target)
+
+
+def exact_values(host: dict, gamma: float) -> dict:
+    """A drawn batch's float64 columns as they were added: bit patterns back to float64, and the n-step sums of
+    float64 rewards recomputed in float64 (RLlib's recursion, from the window's last reward back)."""
+    for key in [k for k in host if k.startswith(EXACT)]:
+        words = host.pop(key)
+        if key == EXACT + "reward_window":
+            rewards, used, total = unbits(words), host["n_step"], 0.0
+            for k in range(rewards.shape[1] - 1, -1, -1):
+                total = np.where(k < used, rewards[:, k] + gamma * total, total)
+            host[Columns.REWARDS] = np.asarray(total, np.float64)
+        else:
+            host[key[len(EXACT):]] = unbits(words)
+    return host
+
+
+def joined(parts: list) -> Drawn:
+    """One batch from the first ``take`` rows of each ``(draw, take)``: the rows whose window fitted, which a draw
+    puts first (in random order)."""
+    first = parts[0][0]
+    columns = {k: jnp.concatenate([drawn.columns[k][:take] for drawn, take in parts]) for k in first.columns}
+    ids = jnp.concatenate([drawn.ids[:take] for drawn, take in parts])
+    return Drawn(first.request, columns, ids, jnp.asarray(True), jnp.int32(ids.shape[0]), first.candidates)
+
+
+def to_host(tree):
+    """A pytree of JAX arrays as NumPy arrays (read-only), once computed. On the CPU ``np.asarray`` reads each buffer
+    in place, with less overhead per array than ``jax.device_get``; on an accelerator ``device_get`` starts every
+    copy before it waits for the first."""
+    if jax.default_backend() == "cpu":
+        return jax.tree.map(np.asarray, tree)
+    return jax.device_get(tree)
+
+
+def shuffled(rows: jax.Array, seed, counter) -> jax.Array:
+    """A drawn batch's rows in random order. The sampler's draws are stratified (draw j lands in the j-th equal
+    slice of the priority mass), so a kernel that uses only some of them, or groups them, takes them in a random
+    order to keep every one uniform over the buffer."""
+    return jax.random.permutation(jax.random.fold_in(jax.random.key(seed), counter), rows)
+
+
+def link(links, full, patch):
+    """An add's links: ``full`` int32[4, m] (each written step's row, then the rows of its episode's next, previous
+    and first step) and ``patch`` int32[2, k] (the row of an episode's last stored step and the row that now follows
+    it); rows past the ring are padding and dropped."""
+    links = links.at[:, full[0]].set(full[1:], mode="drop")
+    return links.at[0, patch[0]].set(patch[1], mode="drop")
+
+
+def make_update_draw(update, draw):
+    """A priority update (the functional buffer's ``update``) and the ``draw`` after it in one kernel (overlap: one
+    dispatch per ``update_priorities``)."""
+
+    def update_draw(state, ids, values, *draw_args):
+        return draw(update(state, ids, values), *draw_args)
+
+    return update_draw
+
+
+def make_draw(buffer_for, names, prioritized: bool, candidates: int, size: int, longest: int, redraw: bool):
+    """One draw: ``candidates`` steps by priority, their n-step windows (n per candidate, at most ``longest``)
+    followed through the links, the first ``size`` whose window fits (``redraw``: RLlib's PER resampling) or all of
+    them (windows clipped at the episode's end), and the importance weights for ``beta`` (``prioritized``; else 1)."""
+    buffer = buffer_for(candidates)
+    names = set(names)
+    at_start = [k for k in names if k.startswith(("extra__", "info__", EXACT + "extra__", EXACT + "info__"))]
+    at_end = [k for k in names if k.startswith(("next_info__", EXACT + "next_info__"))]  # the window's last step
+    exact_reward = EXACT + "reward" in names
+
+    def draw(state, links, n, beta, gamma, seed, counter):
+        key = jax.random.fold_in(jax.random.key(seed), counter)
+        state, delivery = buffer.sample(state)
+        rows = delivery.ids[:, 0]
+        last, going, fits = rows, jnp.ones(rows.shape, jnp.bool_), jnp.ones(rows.shape, jnp.bool_)
+        ret, used = delivery.data["reward"].astype(jnp.float32), jnp.ones(rows.shape, jnp.int32)
+        window = [delivery.data[EXACT + "reward"]] if exact_reward else []  # float64 rewards, bit for bit
+        for k in range(1, longest):
+            following = links[0, last]
+            step = going & (k < n) & (following >= 0)
+            fits = fits & ((k >= n) | step)
+            read = buffer.read(state, jnp.where(step, following, 0))
+            ret = ret + jnp.where(step, jnp.power(gamma, k) * read["reward"], 0.0)
+            if exact_reward:
+                window.append(jnp.where(step[:, None], read[EXACT + "reward"], 0))
+            last, used, going = jnp.where(step, following, last), used + step.astype(jnp.int32), step
+        end = buffer.read(state, last)
+        if redraw:
+            order = jnp.argsort(jnp.where(fits, jax.random.uniform(key, rows.shape), 2.0))[:size]
+            fitting = jnp.where(delivery.valid, jnp.sum(fits, dtype=jnp.int32), 0)
+        else:  # every candidate, in random order: the host may drop the shard padding off the end
+            order, fitting = jax.random.permutation(key, size), jnp.where(delivery.valid, size, 0)
+        weights = jnp.power(delivery.weights, beta) if prioritized else jnp.ones(rows.shape, jnp.float32)
+        columns = {Columns.OBS: delivery.data["obs"], Columns.NEXT_OBS: end["next_obs"],
+                   Columns.ACTIONS: delivery.data["action"], Columns.REWARDS: ret,
+                   Columns.TERMINATEDS: end["terminated"], Columns.TRUNCATEDS: end["truncated"],
+                   "n_step": used, "weights": weights.astype(jnp.float32)}
+        for source, column, data in (("obs", Columns.OBS, delivery.data), ("next_obs", Columns.NEXT_OBS, end),
+                                     ("action", Columns.ACTIONS, delivery.data)):
+            if EXACT + source in names:
+                columns[EXACT + column] = data[EXACT + source]
+        if exact_reward:
+            columns[EXACT + "reward_window"] = jnp.stack(window, axis=1)  # [B, longest, 2]
+        columns.update({k: delivery.data[k] for k in at_start})
+        columns.update({k: end[k] for k in at_end})
+        columns = {k: v[order] for k, v in columns.items()}
+        return state, columns, delivery.ids[order], (fitting >= size) & delivery.valid, fitting
+
+    return draw
+
+
+def make_sequences(buffer_for, names, size: int, length: int):
+    """RLlib's ``[B, T]`` batch: each row starts at a uniformly drawn step and runs to its episode's end (the
+    final observation included, with the last action repeated), then continues with another drawn step's
+    episode from its first step, until T entries; ``is_first`` / ``is_last`` / ``is_terminated`` /
+    ``is_truncated`` as RLlib sets them. A row needs at most T // 2 + 1 draws (an entry run is >= 2 long)."""
+    draws = length // 2 + 1
+    buffer = buffer_for(size * draws)
+    names = set(names)
+    exact = {k: EXACT + k in names for k in ("obs", "action", "reward")}
+
+    def pick(condition, a, b):
+        return jnp.where(condition.reshape(condition.shape + (1,) * (a.ndim - 1)), a, b)
+
+    def sequences(state, links, seed, counter):
+        state, delivery = buffer.sample(state)
+        pool = shuffled(delivery.ids[:, 0], seed, counter).reshape(size, draws)
+        start = pool[:, 0]
+        before = links[1, start]
+        first = buffer.read(state, jnp.maximum(before, 0))
+        first_reward = jnp.where(before >= 0, first["reward"], 0.0)
+        first_bits = jnp.where((before >= 0)[:, None], first[EXACT + "reward"], 0) if exact["reward"] else \
+            jnp.zeros((size, 2), jnp.uint32)
+        zeros = jnp.zeros((size,), jnp.bool_)
+
+        def entry(carry, t):
+            row, final, segment, reward, bits, first = carry
+            data = buffer.read(state, row)
+            out = {"obs": pick(final, data["next_obs"], data["obs"]), "actions": data["action"],
+                   "rewards": reward, "is_first": first, "is_last": final | (t == length - 1),
+                   "is_terminated": final & data["terminated"], "is_truncated": final & data["truncated"]}
+            if exact["obs"]:  # float64 columns, bit for bit
+                out[EXACT + "obs"] = pick(final, data[EXACT + "next_obs"], data[EXACT + "obs"])
+            if exact["action"]:
+                out[EXACT + "actions"] = data[EXACT + "action"]
+            if exact["reward"]:
+                out[EXACT + "rewards"] = bits
+                bits = jnp.where(final[:, None], 0, data[EXACT + "reward"])
+            following = links[0, row]
+            segment = segment + final.astype(jnp.int32)
+            fresh = links[2, jnp.take_along_axis(pool, jnp.minimum(segment, draws - 1)[:, None], 1)[:, 0]]
+            row = jnp.where(final, fresh, jnp.where(following >= 0, following, row))
+            reward = jnp.where(final, 0.0, data["reward"].astype(jnp.float32))
+            return (row, ~final & (following < 0), segment, reward, bits, final), out
+
+        carry = (start, zeros, jnp.zeros((size,), jnp.int32), first_reward.astype(jnp.float32), first_bits, ~zeros)
+        _, out = jax.lax.scan(entry, carry, jnp.arange(length))
+        return state, {k: jnp.swapaxes(v, 0, 1) for k, v in out.items()}
+
+    return sequences
+
+
+def make_slices(buffer_for, names, size: int, lookback: int, length: int):
+    """RLlib's sequences of episodes: for each of ``size`` uniformly drawn steps, the ring rows of up to
+    ``lookback`` steps before it and up to ``length`` steps from it, in its episode (-1 past either end, followed
+    through the links), every stored column at those rows, and the window's last step's ``next_*`` columns."""
+    buffer = buffer_for(size)
+    at_end = [k for k in names if k.startswith(("next_", EXACT + "next_")) or k in ("terminated", "truncated")]
+    per_step = [k for k in names if k not in at_end]
+
+    def slices(state, links, seed, counter):
+        state, delivery = buffer.sample(state)
+        start = shuffled(delivery.ids[:, 0], seed, counter)  # RLlib takes as many as its count needs
+
+        def follow(direction: int, count: int):
+            """[size, count]: the rows 1..count steps away from ``start`` (direction 0: later, 1: earlier)."""
+            def step(row, _):
+                row = jnp.where(row >= 0, links[direction, jnp.maximum(row, 0)], -1)
+                return row, row
+
+            if count == 0:
+                return jnp.zeros((size, 0), jnp.int32)
+            return jax.lax.scan(step, start, None, length=count)[1].T
+
+        rows = jnp.concatenate([follow(1, lookback)[:, ::-1], start[:, None], follow(0, length - 1)], axis=1)
+        taken = jnp.sum(rows[:, lookback:] >= 0, axis=1)
+        last = jnp.take_along_axis(rows, (lookback + taken - 1)[:, None], axis=1)[:, 0]
+        data = buffer.read(state, jnp.maximum(rows, 0).reshape(-1))
+        data = {k: data[k].reshape(rows.shape + data[k].shape[1:]) for k in per_step}
+        end = buffer.read(state, last)
+        return state, rows, delivery.valid, data, {k: end[k] for k in at_end}
+
+    return slices

@@ -1,0 +1,431 @@
+"""The host-side episode index of the Conduit RLlib buffers (NumPy, no JAX): the translation between RLlib's episodes
+and the steps of a ring.
+
+* ``chunk_of``: an added episode chunk's columns, checked and narrowed to what the ring stores (a float64 column also
+  bit for bit, as its ``EXACT`` twin); ``check_columns`` holds a chunk against the stored spec.
+* ``EpisodeIndex``: the stored episodes in RLlib's order and RLlib's counts; RLlib's eviction rule for each class
+  (``plan``); where each step goes (insertion indices, and the links to its episode's next, previous and first step);
+  for each ring row its episode and its place there.
+* ``transitions`` / ``episode_slice``: drawn rows as RLlib's 1-step episodes or episode slices.
+
+Steps are numbered by insertion index (``EpisodeIndex.items``: steps ever written, the next step's index); the
+functional buffer's id lookup maps an insertion index to its ring row (the store passes it in as ``rows_of``).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Any, Callable, NamedTuple, Optional
+
+import numpy as np
+from ray.rllib.core.columns import Columns
+from ray.rllib.env.multi_agent_episode import MultiAgentEpisode
+from ray.rllib.env.single_agent_episode import SingleAgentEpisode
+from ray.rllib.env.utils.infinite_lookback_buffer import InfiniteLookbackBuffer
+
+EXACT = "exact__"  # prefix of the column that keeps a float64 column's values bit for bit
+_NARROW = {np.dtype(np.int64): np.dtype(np.int32), np.dtype(np.uint64): np.dtype(np.uint32),
+           np.dtype(np.float64): np.dtype(np.float32)}
+
+
+def _narrowed(name: str, where: str, key: str, values) -> np.ndarray:
+    """``values`` as a storable array: 64-bit narrowed to 32-bit (integers checked to fit), numbers only."""
+    array = np.asarray(values)
+    if array.dtype.kind not in "biuf":
+        raise ValueError(f"{name}.add(): {where} {key!r} holds {array.dtype} values ({type(values).__name__}); only "
+                         f"numbers and numeric arrays can be stored (nothing was added)")
+    target = _NARROW.get(array.dtype, array.dtype)
+    if target.kind in "iu" and target != array.dtype and array.size:
+        info = np.iinfo(target)
+        if array.min() < info.min or array.max() > info.max:
+            raise ValueError(f"{name}.add(): {where} {key!r} holds values outside {target} ([{array.min()}, "
+                             f"{array.max()}]), which the buffer stores them as (nothing was added)")
+    return array.astype(target, copy=False)
+
+
+def bits(values: np.ndarray) -> np.ndarray:
+    """float64 values as their bit patterns, two uint32 words each (JAX on CPU computes in 32 bits; the words are
+    only stored and gathered, so what comes back is exactly what was added)."""
+    values = np.ascontiguousarray(values, np.float64)
+    return values.view(np.uint32).reshape(values.shape + (2,))
+
+
+def unbits(words: np.ndarray) -> np.ndarray:
+    """``bits`` undone: the float64 values of their bit patterns."""
+    words = np.ascontiguousarray(words, np.uint32)
+    return words.view(np.float64).reshape(words.shape[:-1])
+
+
+@dataclasses.dataclass
+class StoredEpisode:
+    """An episode the buffer keeps (what ``buffer.episodes`` lists): its id, the steps stored, whether it has ended,
+    and where its chunks went (``segments``: first item index and step count of each chunk, in order)."""
+
+    id_: Any
+    length: int = 0
+    is_terminated: bool = False
+    is_truncated: bool = False
+    segments: list = dataclasses.field(default_factory=list)
+    agent_id: Any = None  # the agent, module and multi-agent episode the steps belong to (as RLlib's episode says)
+    module_id: Any = None
+    multi_agent_episode_id: Any = None
+    t_started: int = 0  # the env step its first stored step was taken at (its first chunk's ``t_started``)
+
+    def __len__(self) -> int:
+        return self.length
+
+    def items(self) -> np.ndarray:
+        """Insertion indices of its steps, oldest first."""
+        if not self.segments:
+            return np.zeros((0,), np.int64)
+        return np.concatenate([np.arange(first, first + count, dtype=np.int64) for first, count in self.segments])
+
+
+@dataclasses.dataclass
+class Chunk:
+    """One added episode chunk, its columns checked and narrowed, before anything is stored."""
+
+    id_: Any
+    columns: dict
+    length: int
+    is_terminated: bool
+    is_truncated: bool
+    keys: dict = dataclasses.field(default_factory=dict)  # extra / info column -> the key it came from
+    spaces: tuple = (None, None)  # the episode's observation and action spaces
+    owner: tuple = (None, None, None)  # agent_id, module_id, multi_agent_episode_id
+    t_started: int = 0
+    record: Optional[StoredEpisode] = None  # where it goes (set while planning the add)
+
+
+def chunk_of(episode, name: str) -> Chunk:
+    """An episode chunk's columns, checked (nothing is stored before every chunk of an ``add`` passed); ``name``: how
+    error messages name the buffer."""
+    if isinstance(episode, MultiAgentEpisode):
+        raise TypeError(f"{name}.add(): got a MultiAgentEpisode; use ConduitMultiAgentEpisodeReplayBuffer or "
+                        f"ConduitMultiAgentPrioritizedEpisodeReplayBuffer for multi-agent episodes")
+    length = len(episode)
+    obs = episode.get_observations(slice(0, length + 1))
+    if isinstance(obs, list):  # an episode not yet turned into NumPy holds lists of per-step arrays
+        try:
+            obs = np.asarray(obs)
+        except ValueError as exc:
+            raise ValueError(f"{name}.add(): episode {episode.id_!r}: its observations differ in shape ({exc}; "
+                             f"nothing was added)") from None
+    if not isinstance(obs, np.ndarray) or obs.dtype == object:
+        raise NotImplementedError(f"{name}: observations must be arrays (Box / Discrete spaces); got "
+                                  f"{type(obs).__name__}")
+    ends = np.zeros(length, np.bool_)
+    columns = {"terminated": ends.copy(), "truncated": ends.copy()}
+    columns["terminated"][-1] = episode.is_terminated
+    columns["truncated"][-1] = episode.is_truncated
+
+    def put(where: str, key, values, parts: dict) -> None:
+        """Store ``values`` (narrowed to 32 bits) under each column of ``parts`` (column -> slice); float64 ones
+        also bit for bit."""
+        raw = np.asarray(values)
+        narrow = _narrowed(name, where, key, raw)
+        for column, part in parts.items():
+            columns[column] = narrow[part]
+            if raw.dtype == np.float64:
+                columns[EXACT + column] = bits(raw[part])
+
+    everything = slice(None)
+    put("observations", "obs", obs, {"obs": slice(None, -1), "next_obs": slice(1, None)})
+    put("actions", "action", episode.get_actions(slice(0, length)), {"action": everything})
+    rewards = np.asarray(episode.get_rewards(slice(0, length)))
+    put("rewards", "reward", rewards.astype(np.float64 if rewards.dtype == np.float64 else np.float32),
+        {"reward": everything})
+    origin = {}  # column -> the extra_model_outputs / infos key it holds
+    for key in episode.extra_model_outputs.keys():
+        origin[f"extra__{key}"] = key
+        put("extra_model_outputs key", key, episode.get_extra_model_outputs(key, slice(0, length)),
+            {f"extra__{key}": everything})
+    infos = episode.get_infos(slice(0, length + 1))
+    if any(infos):
+        keys = set(infos[0]) if isinstance(infos[0], dict) else None
+        for info in infos:
+            if not isinstance(info, dict) or set(info) != keys:
+                raise ValueError(f"{name}.add(): every step's infos must be a dict with the same keys to be "
+                                 f"stored; episode {episode.id_!r} has {sorted(map(str, keys or ()))} and "
+                                 f"{info!r} (nothing was added)")
+        for key in sorted(keys, key=str):
+            origin[f"info__{key}"] = origin[f"next_info__{key}"] = key
+            put("infos key", key, [info[key] for info in infos],
+                {f"info__{key}": slice(None, -1), f"next_info__{key}": slice(1, None)})
+    return Chunk(episode.id_, columns, length, bool(episode.is_terminated), bool(episode.is_truncated), origin,
+                 spaces=(episode.observation_space, episode.action_space),
+                 owner=(episode.agent_id, episode.module_id, episode.multi_agent_episode_id),
+                 t_started=int(episode.t_started))
+
+
+def check_columns(name: str, spec, chunk: Chunk) -> None:
+    """``chunk``'s columns against the stored ``spec`` (an ``ExperienceSpec``: names, shapes, dtypes)."""
+    if set(chunk.columns) != set(spec.names):
+        raise ValueError(f"{name}.add(): episode {chunk.id_!r} has columns {sorted(chunk.columns)}, the buffer "
+                         f"stores {sorted(spec.names)} (infos / extra_model_outputs keys are fixed by the first "
+                         f"add; nothing was added)")
+    # a column's bit-for-bit twin last: the message names what the user gave
+    columns = sorted(zip(spec.names, spec.shapes, spec.dtypes), key=lambda column: column[0].startswith(EXACT))
+    for key, shape, dtype in columns:
+        value = chunk.columns[key]
+        if value.shape[1:] != tuple(shape) or value.dtype != dtype:
+            raise ValueError(f"{name}.add(): episode {chunk.id_!r}: {key} is {value.dtype}{list(value.shape[1:])}"
+                             f" per step, the buffer stores {dtype}{list(shape)} (nothing was added)")
+
+
+class AddPlan(NamedTuple):
+    """A checked add, laid out by ``EpisodeIndex.plan`` (and the store's ``prepare``) and applied by ``apply`` (and
+    the store's ``commit``)."""
+
+    order: collections.deque  # the episode index afterwards, oldest first
+    live: dict
+    written: list  # the chunks stored (an evicted episode's new chunks are not)
+    evicted: list  # StoredEpisode
+    pending: dict
+    timesteps: int
+    added: int
+    episodes_added: int
+    steps_added: int
+    steps_evicted: int
+    spec: Any = None  # the store's ExperienceSpec (set by the store)
+    keys: dict = {}
+    spaces: tuple = (None, None)
+    item: int = 0  # the next insertion index afterwards
+    segments: dict = {}  # id(record) -> the (first item, count) chunks it gains
+    rows: list = []  # per written chunk: int64[4, steps] of [item, next, previous, episode's first item]
+    patches: list = []  # (item, next item) of each episode's last stored step that a new chunk continues
+
+
+class EpisodeIndex:
+    """The stored episodes, oldest first, RLlib's counts, and where the steps are in a ring of ``storage_capacity``
+    rows: for each row ``owner`` holds the insertion index of its episode's first step (``by_first`` maps it to the
+    episode) and ``position`` the row's step index in its episode. ``prioritized`` picks RLlib's eviction rule."""
+
+    def __init__(self, capacity: int, storage_capacity: int, prioritized: bool):
+        self.capacity, self.storage_capacity, self.prioritized = capacity, storage_capacity, prioritized
+        self.order: collections.deque = collections.deque()  # StoredEpisode, oldest first
+        self.live: dict = {}  # episode id -> StoredEpisode
+        self.num_timesteps = 0
+        self.num_timesteps_added = 0
+        self.num_episodes_evicted = 0
+        self.items = 0  # steps ever written to the ring (the next step's insertion index)
+        self.owner = np.full(storage_capacity, -1, np.int64)
+        self.position = np.zeros(storage_capacity, np.int64)
+        self.by_first: dict = {}
+
+    def plan(self, chunks: list, evict: Optional[list] = None) -> AddPlan:
+        """RLlib's eviction, on copies of the episode index, then where each written step goes. The uniform buffer
+        follows ``EpisodeReplayBuffer.add`` (evict after each episode while more than ``capacity`` steps and more than
+        one episode are stored), the prioritized one ``PrioritizedEpisodeReplayBuffer.add`` (count every new step
+        first, evict while over capacity and more than one episode would remain, drop the new chunks of an evicted
+        episode). With ``evict`` (episode ids) the caller decided: those episodes go, nothing else does (the
+        multi-agent buffers' rule)."""
+        order, live = collections.deque(self.order), dict(self.live)
+        pending = collections.defaultdict(int)  # id(record) -> steps this add gives it
+        timesteps, added = self.num_timesteps, self.num_timesteps_added
+        evicted, episodes_added, steps_added = [], 0, 0
+
+        def drop(old):
+            order.remove(old)
+            del live[old.id_]
+            evicted.append(old)
+            return old
+
+        def place(chunk):
+            nonlocal episodes_added
+            record = live.get(chunk.id_)
+            if record is None:
+                record = StoredEpisode(chunk.id_)
+                record.agent_id, record.module_id, record.multi_agent_episode_id = chunk.owner
+                record.t_started = chunk.t_started
+                live[chunk.id_] = record
+                order.append(record)
+                episodes_added += 1
+            chunk.record = record
+            pending[id(record)] += chunk.length
+
+        if evict is not None:
+            for old in [live[i] for i in evict if i in live]:
+                timesteps -= drop(old).length
+            for chunk in chunks:
+                timesteps += chunk.length
+                added += chunk.length
+                steps_added += chunk.length
+                place(chunk)
+        elif not self.prioritized:
+            for chunk in chunks:
+                timesteps += chunk.length
+                added += chunk.length
+                steps_added += chunk.length
+                place(chunk)
+                while timesteps > self.capacity and len(order) > 1:
+                    old = drop(order[0])
+                    timesteps -= old.length + pending[id(old)]
+        else:
+            new_ids = [chunk.id_ for chunk in chunks]
+            timesteps += sum(chunk.length for chunk in chunks)
+            added += sum(chunk.length for chunk in chunks)
+            evicted_ids = set()
+            while timesteps > self.capacity and order and len((set(live) | set(new_ids)) - evicted_ids) != 1:
+                old = drop(order[0])
+                evicted_ids.add(old.id_)
+                if old.id_ in new_ids:  # RLlib takes back the first new chunk of an episode it evicts
+                    first = chunks[new_ids.index(old.id_)].length
+                    timesteps -= first
+                    added -= first
+                timesteps -= old.length
+            for chunk in chunks:
+                if chunk.id_ in evicted_ids:
+                    continue
+                place(chunk)
+                steps_added += chunk.length
+        gone = {id(record) for record in evicted}
+        written = [chunk for chunk in chunks if id(chunk.record) not in gone]
+        plan = AddPlan(order, live, written, evicted, pending, timesteps, added, episodes_added, steps_added,
+                       sum(record.length + pending[id(record)] for record in evicted))
+        return self._lay_out(plan)
+
+    def _lay_out(self, plan: AddPlan) -> AddPlan:
+        """Insertion indices of the written steps and their links within their episodes."""
+        item, segments, rows, patches = self.items, collections.defaultdict(list), [], []
+        for chunk in plan.written:
+            record = chunk.record
+            before = record.segments + segments[id(record)]
+            steps = np.arange(item, item + chunk.length, dtype=np.int64)
+            previous = before[-1][0] + before[-1][1] - 1 if before else -1
+            if before:  # the episode's last stored step now continues into this chunk
+                patches.append((previous, item))
+            following = np.append(steps[1:], -1)
+            preceding = np.insert(steps[:-1], 0, previous)
+            rows.append(np.stack([steps, following, preceding, np.full_like(steps, before[0][0] if before else item)]))
+            segments[id(record)].append((item, chunk.length))
+            item += chunk.length
+        return plan._replace(item=item, segments=segments, rows=rows, patches=patches)
+
+    @staticmethod
+    def reach(plan: AddPlan) -> int:
+        """How far back from the next insertion index the oldest step kept after ``plan`` lies (0: none kept); more
+        than the ring holds means the add would overwrite a step RLlib keeps."""
+        if not plan.order:
+            return 0
+        return plan.item - (plan.order[0].segments or plan.segments[id(plan.order[0])])[0][0]
+
+    def apply(self, plan: AddPlan, rows: np.ndarray) -> None:
+        """Make ``plan`` the index; ``rows``: the ring rows of its written steps, in order."""
+        written = plan.written
+        if written:
+            # each written row names its episode by the insertion index of the episode's first step, and its place
+            self.owner[rows] = np.concatenate(plan.rows, axis=1)[3]
+            positions, reached = [], {}
+            for chunk in written:
+                at = reached.get(id(chunk.record), chunk.record.length)
+                positions.append(np.arange(at, at + chunk.length))
+                reached[id(chunk.record)] = at + chunk.length
+            self.position[rows] = np.concatenate(positions)
+        for chunk in written:
+            record = chunk.record
+            record.length += chunk.length
+            record.is_terminated, record.is_truncated = chunk.is_terminated, chunk.is_truncated
+        for record in {id(chunk.record): chunk.record for chunk in written}.values():
+            record.segments.extend(plan.segments[id(record)])
+            self.by_first[record.segments[0][0]] = record
+        for record in plan.evicted:
+            if record.segments:
+                self.by_first.pop(record.segments[0][0], None)
+        self.order, self.live, self.items = plan.order, plan.live, plan.item
+        self.num_timesteps, self.num_timesteps_added = plan.timesteps, plan.added
+        self.num_episodes_evicted += len(plan.evicted)
+
+    def records_at(self, rows) -> tuple[list, np.ndarray]:
+        """The stored episode of each ring row in ``rows``, and the row's step index in it."""
+        return [self.by_first[first] for first in self.owner[rows]], self.position[rows]
+
+    def episode_at(self, row) -> tuple[StoredEpisode, int]:
+        """The stored episode of one ring row, and the row's step index in it."""
+        return self.by_first[self.owner[row]], int(self.position[row])
+
+    def saved(self) -> list:
+        """The episodes as ``get_state`` keeps them (JSON-able, segments as int64 arrays)."""
+        return [{"id": record.id_, "length": record.length, "terminated": record.is_terminated,
+                 "truncated": record.is_truncated, "segments": np.asarray(record.segments, np.int64).reshape(-1),
+                 "owner": [record.agent_id, record.module_id, record.multi_agent_episode_id],
+                 "t_started": record.t_started}
+                for record in self.order]
+
+    def restore(self, episodes: list, counters: dict, rows_of: Callable[[np.ndarray], np.ndarray]) -> None:
+        """Fill an empty index from ``saved()``'s episodes and ``get_state``'s counters; ``rows_of``: the ring rows of
+        insertion indices."""
+        for saved in episodes:
+            segments = [tuple(int(x) for x in pair) for pair in np.asarray(saved["segments"]).reshape(-1, 2)]
+            record = StoredEpisode(saved["id"], int(saved["length"]), bool(saved["terminated"]),
+                                   bool(saved["truncated"]), segments, *saved["owner"],
+                                   int(saved.get("t_started", 0)))
+            self.order.append(record)
+            self.live[record.id_] = record
+            if segments:
+                self.by_first[segments[0][0]] = record
+        self.num_timesteps = int(counters["num_timesteps"])
+        self.num_timesteps_added = int(counters["num_timesteps_added"])
+        self.num_episodes_evicted = int(counters["num_episodes_evicted"])
+        self.items = int(counters["items"])
+        for first, record in self.by_first.items():
+            items = record.items()
+            kept = items >= self.items - self.storage_capacity
+            rows = rows_of(items[kept])
+            self.owner[rows], self.position[rows] = first, np.arange(items.size)[kept]
+
+
+def transitions(records: list, starts: np.ndarray, host: dict, keys: dict, spaces: tuple, to_numpy: bool,
+                infos: bool, extras: bool) -> list:
+    """RLlib's 1-step episodes (o_t, a_t, G_t, o_{t+n}) with ``weights`` and ``n_step`` model outputs from a drawn
+    batch's host columns, each carrying its stored episode's id, agent, module and multi-agent episode (``records``,
+    the drawn steps' places ``starts``); ``keys``: column -> the infos / extra_model_outputs key it stores."""
+    observation_space, action_space = spaces
+    obs, next_obs, actions = host[Columns.OBS], host[Columns.NEXT_OBS], host[Columns.ACTIONS]
+    rewards, weights, steps = host[Columns.REWARDS], host["weights"], host["n_step"]
+    terminated, truncated = host[Columns.TERMINATEDS], host[Columns.TRUNCATEDS]
+    extra_columns = [k for k in host if k.startswith("extra__")] if extras else []
+    info_columns = [k for k in host if k.startswith("info__")] if infos else []
+    out = []
+    for i, record in enumerate(records):
+        outputs = {"weights": [weights[i]], "n_step": [steps[i]]}
+        outputs.update({keys[k]: [host[k][i]] for k in extra_columns})
+        episode = SingleAgentEpisode(
+            id_=record.id_, agent_id=record.agent_id, module_id=record.module_id,
+            multi_agent_episode_id=record.multi_agent_episode_id,
+            observations=[obs[i], next_obs[i]], observation_space=observation_space,
+            infos=[{keys[k]: host[k][i] for k in info_columns},
+                   {keys[k]: host["next_" + k][i] for k in info_columns}] if infos else None,
+            actions=[actions[i]], action_space=action_space, rewards=[rewards[i]],
+            terminated=bool(terminated[i]), truncated=bool(truncated[i]), extra_model_outputs=outputs,
+            len_lookback_buffer=0, t_started=int(starts[i]))
+        if to_numpy:
+            episode.to_numpy()
+        out.append(episode)
+    return out
+
+
+def episode_slice(record: StoredEpisode, t: int, i: int, back: int, ahead: int, lookback: int, data: dict, end: dict,
+                  keys: dict, spaces: tuple) -> SingleAgentEpisode:
+    """Row ``i`` of a slices kernel's host output as RLlib's ``episode.slice(slice(t, t + ahead),
+    len_lookback_buffer=lookback)`` (the lookback clipped at the episode's first step, as RLlib clips it: ``back``
+    steps), with RLlib's ``n_step`` (1) and ``weights`` (1.0) model outputs."""
+    steps = slice(lookback - back, lookback + ahead)
+    infos = [k for k in data if k.startswith("info__")]
+    episode = SingleAgentEpisode(
+        id_=record.id_, agent_id=record.agent_id, module_id=record.module_id,
+        multi_agent_episode_id=record.multi_agent_episode_id,
+        observations=list(data["obs"][i, steps]) + [end["next_obs"][i]],
+        observation_space=spaces[0],
+        infos=[{keys[k]: data[k][i, j] for k in infos} for j in range(steps.start, steps.stop)] +
+        [{keys[k]: end["next_" + k][i] for k in infos}] if infos else None,
+        actions=list(data["action"][i, steps]), action_space=spaces[1],
+        rewards=list(data["reward"][i, steps]), terminated=bool(end["terminated"][i]),
+        truncated=bool(end["truncated"][i]),
+        extra_model_outputs={keys[k]: list(data[k][i, steps]) for k in data if k.startswith("extra__")},
+        len_lookback_buffer=back, t_started=record.t_started + t)
+    episode.to_numpy()
+    episode.extra_model_outputs["n_step"] = InfiniteLookbackBuffer(np.full(ahead + lookback, 1), lookback=lookback)
+    episode.extra_model_outputs["weights"] = InfiniteLookbackBuffer(np.ones(ahead + lookback), lookback=lookback)
+    return episode

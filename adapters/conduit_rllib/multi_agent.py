@@ -1,0 +1,400 @@
+"""The multi-agent Conduit buffers' shared implementation (``MultiAgentStore``; the public classes, in
+``buffers.py``, add RLlib's ``MultiAgentEpisodeReplayBuffer`` / ``MultiAgentPrioritizedEpisodeReplayBuffer``).
+
+Each module's agent steps live in their own ``EpisodeStore`` (its own ring, sum tree, largest priority and weight
+normalisation), whose ring holds ``2 * capacity`` steps per agent the module serves; this module keeps the
+multi-agent episode index (``StoredMultiAgentEpisode``, ``AgentSteps``), RLlib's eviction rule for multi-agent
+episodes (once per ``add``, whole oldest episodes), RLlib's overall and per-module counts and metrics, and samples
+RLlib's independent mode: each module's store draws its batch (a step whose window runs past its episode's end is
+redrawn, as RLlib does in both multi-agent classes).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from typing import Any, Callable, NamedTuple, Optional, Union
+
+import numpy as np
+from ray.rllib.env.multi_agent_episode import MultiAgentEpisode
+from ray.rllib.utils import force_list
+from ray.rllib.utils.metrics.metrics_logger import MetricsLogger
+from ray.rllib.utils.replay_buffers.episode_replay_buffer import EpisodeReplayBuffer
+
+from conduit_rllib.draws import Request
+from conduit_rllib.store import STATE_VERSION, EpisodeStore, adaptive_choice
+
+MULTI_AGENT_STATE_FORMAT = "conduit_rllib.multi_agent_episode_replay_buffer"
+# what an add refused for want of a module's ring space tells the user to change (EpisodeStore's ring_advice)
+MODULE_RING_ADVICE = ("the module's ring holds {factor} x capacity x agents_per_module = {storage_capacity} agent "
+                      "steps: raise capacity or agents_per_module (by default the number of the module's agents in "
+                      "the first episode that had one)")
+
+
+class AgentSteps(NamedTuple):
+    """One agent's part of a stored multi-agent episode."""
+
+    module_id: Any
+    episode_id: Any  # its single-agent episode's id
+    steps: int
+
+
+@dataclasses.dataclass
+class StoredMultiAgentEpisode:
+    """A multi-agent episode the buffer keeps (what ``buffer.episodes`` lists): its id, the env steps and agent
+    steps stored, and each agent's part (``agents``: agent id -> ``AgentSteps``)."""
+
+    id_: Any
+    env_steps: int = 0
+    agent_steps: int = 0
+    agents: dict = dataclasses.field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return self.env_steps
+
+
+class MultiAgentStore:
+    """The shared implementation of the multi-agent buffers (see the module docstring); ``prioritized``: each
+    module's store draws by priority (RLlib's ``MultiAgentPrioritizedEpisodeReplayBuffer``); ``adaptive_rule``: the
+    stores' ``"adaptive"`` schedule rule."""
+
+    def __init__(self, capacity: int = 10000, *, batch_size_B: int = 16, batch_length_T: int = 1,
+                 metrics_num_episodes_for_smoothing: int = 100, n_step: int = 1, alpha: float = 1.0,
+                 beta: float = 0.0, num_shards: int = 1, seed: int = 0, deliver: str = "episodes",
+                 schedule: str = "sync", agents_per_module: Optional[int] = None, prioritized: bool = False,
+                 adaptive_rule: Callable[[str, float, float, int], str] = adaptive_choice, **kwargs):
+        self._prioritized = bool(prioritized)
+        name = type(self).__name__
+        if deliver != "episodes":
+            raise ValueError(f"{name}: deliver must be 'episodes' (deliver='torch' is single-agent only), got "
+                             f"{deliver!r}")
+        if agents_per_module is not None and (isinstance(agents_per_module, bool) or
+                                              not isinstance(agents_per_module, int) or agents_per_module < 1):
+            raise ValueError(f"{name}: agents_per_module must be None or an int >= 1, got {agents_per_module!r}")
+        self._store_config = dict(batch_size_B=batch_size_B, batch_length_T=batch_length_T, n_step=n_step,
+                                  alpha=alpha, beta=beta, num_shards=num_shards, schedule=schedule,
+                                  adaptive_rule=adaptive_rule)
+        # a throwaway store checks every other argument as the single-agent buffers do; its settings are this one's
+        check = self._new_store(capacity, "check", seed, **kwargs)
+        for key in ("capacity", "batch_size_B", "batch_length_T", "n_step", "alpha", "beta", "num_shards", "seed",
+                    "schedule"):
+            setattr(self, key, getattr(check, key))
+        self.deliver, self.agents_per_module = deliver, agents_per_module
+        self.rng = np.random.default_rng(seed)
+        self.metrics = MetricsLogger(root=False)
+        self._metrics_num_episodes_for_smoothing = metrics_num_episodes_for_smoothing
+        self.timings = collections.defaultdict(float)  # seconds spent in add / sample / update_priorities
+        self._reset()
+
+    def _new_store(self, capacity: int, module_id, seed: int, **kwargs) -> EpisodeStore:
+        """A module's store: eviction decided here (RLlib's multi-agent buffers redraw a step whose episode ends
+        within n steps, uniform ones too)."""
+        return EpisodeStore(capacity, prioritized=self._prioritized, redraws=True,
+                            label=f"{type(self).__name__}[{module_id!r}]", ring_advice=MODULE_RING_ADVICE, seed=seed,
+                            **self._store_config, **kwargs)
+
+    def _reset(self) -> None:
+        self._order: collections.deque = collections.deque()  # StoredMultiAgentEpisode, oldest first
+        self._live: dict = {}  # episode id -> StoredMultiAgentEpisode
+        # module id -> its store (None while none of its agents has a step) and RLlib's per-module counters
+        self._modules: dict = {}
+        self._counts: dict = collections.defaultdict(collections.Counter)
+        self._num_timesteps = self._num_timesteps_added = self._num_episodes_evicted = 0
+        self._num_agent_timesteps = self._num_agent_timesteps_added = 0
+        self.sampled_timesteps = 0
+
+    @property
+    def episodes(self) -> list:
+        """The stored multi-agent episodes, oldest first (``id_``, ``len()`` in env steps, ``agents``)."""
+        return list(self._order)
+
+    # -- add ------------------------------------------------------------------------------------------------------
+    def add(self, episodes: Union[list, MultiAgentEpisode]) -> None:
+        """Store multi-agent episodes; a chunk of a stored episode is appended to it. Whole oldest episodes are
+        evicted as RLlib's multi-agent buffers do: once per ``add``, while more than ``capacity`` env steps are stored
+        and more than one episode would remain, dropping the new chunks of an episode it evicts. Each agent's steps
+        go to its module's store; everything is checked before anything is stored."""
+        start = time.perf_counter()
+        name = type(self).__name__
+        episodes = force_list(episodes)
+        for episode in episodes:
+            if not isinstance(episode, MultiAgentEpisode):
+                raise TypeError(f"{name}.add(): expected MultiAgentEpisode, got {type(episode).__name__} (use "
+                                f"ConduitEpisodeReplayBuffer for single-agent episodes; nothing was added)")
+        order, live = collections.deque(self._order), dict(self._live)
+        new_ids = [episode.id_ for episode in episodes]
+        timesteps = self._num_timesteps + sum(episode.env_steps() for episode in episodes)
+        added = self._num_timesteps_added + sum(episode.env_steps() for episode in episodes)
+        evicted = []
+        while timesteps > self.capacity and order and \
+                len((set(live) | set(new_ids)) - {old.id_ for old in evicted}) != 1:
+            old = order.popleft()
+            del live[old.id_]
+            evicted.append(old)
+            if old.id_ in new_ids:  # RLlib takes back the first new chunk of an episode it evicts
+                first = episodes[new_ids.index(old.id_)].env_steps()
+                timesteps -= first
+                added -= first
+            timesteps -= old.env_steps
+        gone = {old.id_ for old in evicted}
+        kept = [episode for episode in episodes if episode.id_ not in gone]
+        # each module's chunks and evictions, checked by its store before any store changes
+        parts, agents = collections.defaultdict(list), collections.defaultdict(set)
+        for episode in kept:
+            for agent_id, agent_episode in episode.agent_episodes.items():
+                module_id = episode.module_for(agent_id)
+                agents[module_id].add(agent_id)
+                if len(agent_episode) > 0:
+                    parts[module_id].append(agent_episode)
+        evict = collections.defaultdict(list)
+        for old in evicted:
+            for part in old.agents.values():
+                evict[part.module_id].append(part.episode_id)
+        stores, plans, created = {}, {}, sum(store is not None for store in self._modules.values())
+        touched = list(dict.fromkeys([*agents, *evict]))  # modules in the order they first appear
+        for module_id in [m for m in touched if parts.get(m) or self._modules.get(m) is not None]:
+            store = self._modules.get(module_id)
+            if store is None:  # a new module: its ring holds 2 x capacity steps per agent it serves; its seed
+                created += 1  # follows the modules' order, the same in every process
+                store = self._new_store(self.capacity * (self.agents_per_module or len(agents[module_id])),
+                                        module_id, self.seed + 7919 * created)
+            stores[module_id] = store
+            plans[module_id] = store.prepare(parts[module_id], evict[module_id])
+        # commit: the stores, then the episode index and RLlib's counters
+        for module_id in touched:  # get_module_ids() lists modules in the order they first appeared, as RLlib
+            self._modules.setdefault(module_id, None)
+        for module_id, store in stores.items():
+            store.commit(plans[module_id])
+            self._modules[module_id] = store
+        metrics = self._count(kept, evicted, order, live)
+        self._order, self._live = order, live
+        self._num_timesteps, self._num_timesteps_added = timesteps, added
+        self._num_episodes_evicted += len(evicted)
+        EpisodeReplayBuffer._update_add_metrics(self, **metrics)
+        self.timings["add"] += time.perf_counter() - start
+
+    def _count(self, kept: list, evicted: list, order: collections.deque, live: dict) -> dict:
+        """Update the episode index and RLlib's counters for an add (as its multi-agent buffers define them);
+        returns the add metrics."""
+        per = {key: collections.Counter() for key in ("episodes_added", "steps_added", "episodes_evicted",
+                                                       "steps_evicted")}  # (agent id, module id) -> count
+        for old in evicted:
+            self._num_agent_timesteps -= old.agent_steps
+            for agent_id, part in old.agents.items():
+                counts = self._counts[part.module_id]
+                counts["timesteps"] -= part.steps
+                counts["episodes"] -= 1
+                counts["evicted"] += 1
+                per["episodes_evicted"][agent_id, part.module_id] += 1
+                per["steps_evicted"][agent_id, part.module_id] += part.steps
+        episodes_added = 0
+        for episode in kept:
+            record = live.get(episode.id_)
+            if record is None:
+                record = live[episode.id_] = StoredMultiAgentEpisode(episode.id_)
+                order.append(record)
+                episodes_added += 1
+                for agent_id in episode.agent_episodes:
+                    per["episodes_added"][agent_id, episode.module_for(agent_id)] += 1
+            record.env_steps += episode.env_steps()
+            record.agent_steps += episode.agent_steps()
+            self._num_agent_timesteps += episode.agent_steps()
+            self._num_agent_timesteps_added += episode.agent_steps()
+            for agent_id, agent_episode in episode.agent_episodes.items():
+                module_id, steps = episode.module_for(agent_id), len(agent_episode)
+                counts = self._counts[module_id]
+                part = record.agents.get(agent_id)
+                if part is None:
+                    part = AgentSteps(module_id, agent_episode.id_, 0)
+                    counts["episodes"] += 1
+                record.agents[agent_id] = part._replace(steps=part.steps + steps)
+                counts["timesteps"] += steps
+                counts["added"] += steps
+                per["steps_added"][agent_id, module_id] += steps
+
+        def by(counter: collections.Counter, which: int) -> dict:
+            out = collections.defaultdict(int)
+            for key, value in counter.items():
+                out[key[which]] += value
+            return dict(out)
+
+        metrics = {"num_episodes_added": episodes_added, "num_env_steps_added": sum(e.env_steps() for e in kept),
+                   "num_episodes_evicted": len(evicted), "num_env_steps_evicted": sum(o.env_steps for o in evicted)}
+        for key, counter in per.items():
+            metrics[f"agent_to_num_{key}"], metrics[f"module_to_num_{key}"] = by(counter, 0), by(counter, 1)
+        return metrics
+
+    # -- sample ---------------------------------------------------------------------------------------------------
+    def sample(self, num_items: Optional[int] = None, *, batch_size_B: Optional[int] = None,
+               batch_length_T: Optional[int] = None, n_step: Optional[Union[int, tuple]] = 1, gamma: float = 0.99,
+               include_infos: bool = False, include_extra_model_outputs: bool = False,
+               replay_mode: str = "independent", modules_to_sample: Optional[list] = None, beta: float = 0.0,
+               to_numpy: bool = False, lookback: int = 0, **kwargs) -> list:
+        """RLlib's independent multi-agent sample: for each module (``modules_to_sample``, default all) ``B`` of its
+        agent steps as 1-step single-agent episodes (``o_t, a_t, G_t, o_(t+n)``, ``weights``, ``n_step``) carrying
+        their agent, module and multi-agent episode ids; a step whose episode ends within n steps is redrawn."""
+        start = time.perf_counter()
+        name = type(self).__name__
+        if replay_mode != "independent":
+            raise NotImplementedError(f"{name}.sample(): replay_mode={replay_mode!r} is not supported yet; "
+                                      f"'independent' (RLlib's default) is")
+        if batch_length_T not in (None, 0, 1) or lookback:
+            raise NotImplementedError(f"{name}.sample(): sequences (batch_length_T={batch_length_T}, "
+                                      f"lookback={lookback}) are not supported for multi-agent episodes; RLlib's "
+                                      f"multi-agent buffers ignore both and return 1-step transitions, which is what "
+                                      f"batch_length_T=1 gives here")
+        if num_items is not None and batch_size_B is not None:
+            raise ValueError(f"{name}.sample(): pass num_items or batch_size_B, not both")
+        size = num_items or batch_size_B or self.batch_size_B
+        if not isinstance(size, (int, np.integer)) or isinstance(size, bool) or size < 1:
+            raise ValueError(f"{name}.sample(): the batch size must be an int >= 1, got {size!r}")
+        if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not np.isfinite(beta) or beta < 0:
+            raise ValueError(f"{name}.sample(): beta must be a finite number >= 0, got {beta!r}")
+        modules = list(self._modules) if modules_to_sample is None else list(modules_to_sample)
+        unknown = [m for m in modules if m not in self._modules]
+        if unknown:
+            raise ValueError(f"{name}.sample(): modules_to_sample {unknown!r} are not stored; the buffer holds "
+                             f"{list(self._modules)!r}")
+        empty = [m for m in modules if self._modules[m] is None or self._counts[m]["timesteps"] <= 0]
+        if empty:
+            raise ValueError(f"{name}.sample(): no steps stored for module(s) {empty!r}; add() episodes first or "
+                             f"pass modules_to_sample")
+        out, metrics = [], collections.defaultdict(dict)
+        n_range = None
+        for module_id in modules:
+            store = self._modules[module_id]
+            n_range = n_range or store.n_range(n_step)
+            drawn, resamples = store.take(Request(int(size), n_range, float(beta), float(gamma)))
+            episodes = store.episodes_of(drawn, to_numpy, include_infos, include_extra_model_outputs)
+            out.extend(episodes)
+            self._counts[module_id]["sampled"] += size
+            mean_n = float(np.mean(np.asarray(drawn.columns["n_step"])))
+            for agent_id in {e.agent_id for e in episodes}:
+                picked = [e for e in episodes if e.agent_id == agent_id]
+                metrics["agent_to_num_steps_sampled"][agent_id] = len(picked)
+                metrics["agent_to_num_episodes_per_sample"][agent_id] = len({e.id_ for e in picked})
+                metrics["agent_to_num_steps_per_sample"][agent_id] = len(picked)
+                metrics["agent_to_sampled_n_step"][agent_id] = mean_n
+                metrics["agent_to_num_resamples"][agent_id] = resamples
+            metrics["module_to_num_steps_sampled"][module_id] = size
+            metrics["module_to_num_episodes_per_sample"][module_id] = len({e.id_ for e in episodes})
+            metrics["module_to_num_steps_per_sample"][module_id] = size
+            metrics["module_to_sampled_n_step"][module_id] = mean_n
+            metrics["module_to_num_resamples"][module_id] = resamples
+        self.sampled_timesteps += size  # RLlib counts the batch size once, whatever the number of modules
+        EpisodeReplayBuffer._update_sample_metrics(
+            self, num_env_steps_sampled=size * len(modules),
+            num_episodes_per_sample=len({e.multi_agent_episode_id for e in out}),
+            num_env_steps_per_sample=len(out), sampled_n_step=float(np.mean(list(
+                metrics["module_to_sampled_n_step"].values()))),
+            num_resamples=sum(metrics["module_to_num_resamples"].values()), **metrics)
+        self.timings["sample"] += time.perf_counter() - start
+        return out
+
+    def update_priorities(self, priorities, module_id) -> None:
+        """New priorities ``|priorities|`` for the steps of ``module_id``'s last sample (RLlib's DQN passes each
+        module's TD errors)."""
+        name = type(self).__name__
+        if not self._prioritized:
+            raise NotImplementedError(f"{name} samples uniformly; use ConduitMultiAgentPrioritizedEpisodeReplayBuffer")
+        if self._modules.get(module_id) is None:
+            raise ValueError(f"{name}.update_priorities(): module {module_id!r} is not stored; the buffer holds "
+                             f"{list(self._modules)!r}")
+        start = time.perf_counter()
+        self._modules[module_id].update_priorities(priorities)
+        self.timings["update_priorities"] += time.perf_counter() - start
+
+    # -- sizes --------------------------------------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return self.get_num_timesteps()
+
+    def get_module_ids(self) -> list:
+        return list(self._modules)
+
+    def get_num_timesteps(self, module_id=None) -> int:
+        """Env steps stored, or ``module_id``'s agent steps."""
+        return self._counts[module_id]["timesteps"] if module_id else self._num_timesteps
+
+    def get_num_episodes(self, module_id=None) -> int:
+        return self._counts[module_id]["episodes"] if module_id else len(self._order)
+
+    def get_num_episodes_evicted(self, module_id=None) -> int:
+        return self._counts[module_id]["evicted"] if module_id else self._num_episodes_evicted
+
+    def get_added_timesteps(self, module_id=None) -> int:
+        return self._counts[module_id]["added"] if module_id else self._num_timesteps_added
+
+    def get_sampled_timesteps(self, module_id=None) -> int:
+        return self._counts[module_id]["sampled"] if module_id else self.sampled_timesteps
+
+    def get_num_agent_timesteps(self) -> int:
+        return self._num_agent_timesteps
+
+    def get_added_agent_timesteps(self) -> int:
+        return self._num_agent_timesteps_added
+
+    def get_metrics(self):
+        return self.metrics.reduce()
+
+    # -- state ----------------------------------------------------------------------------------------------------
+    def _config(self) -> dict:
+        return {"capacity": self.capacity, "alpha": self.alpha, "num_shards": self.num_shards,
+                "prioritized": self._prioritized}
+
+    def get_state(self) -> dict[str, Any]:
+        """The buffer as NumPy arrays plus JSON-able metadata (each module's store as the single-agent buffers
+        save theirs): nothing pickled, nothing JAX."""
+        return {"format": MULTI_AGENT_STATE_FORMAT, "version": STATE_VERSION, "config": self._config(),
+                "counters": {"num_timesteps": self._num_timesteps, "num_timesteps_added": self._num_timesteps_added,
+                             "num_episodes_evicted": self._num_episodes_evicted,
+                             "num_agent_timesteps": self._num_agent_timesteps,
+                             "num_agent_timesteps_added": self._num_agent_timesteps_added,
+                             "sampled_timesteps": self.sampled_timesteps},
+                "episodes": [{"id": record.id_, "env_steps": record.env_steps, "agent_steps": record.agent_steps,
+                              "agents": [[agent_id, *part] for agent_id, part in record.agents.items()]}
+                             for record in self._order],
+                # lists of pairs, not dicts: module ids need not be strings
+                "modules": [[module_id, None if store is None else store.capacity,
+                             dict(self._counts[module_id]), None if store is None else store.get_state()]
+                            for module_id, store in self._modules.items()]}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        """Restore what ``get_state`` returned (from a buffer configured the same way); checked before anything
+        changes."""
+        name = type(self).__name__
+        if not isinstance(state, dict) or state.get("format") != MULTI_AGENT_STATE_FORMAT:
+            raise ValueError(f"{name}.set_state(): not a Conduit multi-agent buffer state (format "
+                             f"{state.get('format')!r}; expected {MULTI_AGENT_STATE_FORMAT!r})"
+                             if isinstance(state, dict) else f"{name}.set_state(): expected a dict, got "
+                             f"{type(state).__name__}")
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(f"{name}.set_state(): state version {state.get('version')!r}, this code reads "
+                             f"{STATE_VERSION}")
+        differ = {k: (state["config"].get(k), v) for k, v in self._config().items() if state["config"].get(k) != v}
+        if differ:
+            raise ValueError(f"{name}.set_state(): the state was saved by a buffer configured differently "
+                             f"(saved, this): {differ}")
+        modules = {}
+        for module_id, capacity, _, saved in state["modules"]:
+            if saved is not None:
+                store = self._new_store(int(capacity), module_id, int(saved["config"]["seed"]))
+                store.set_state(saved)  # checks its arrays before changing anything
+                modules[module_id] = store
+            else:
+                modules[module_id] = None
+        self._reset()
+        self._modules = modules
+        for module_id, _, counts, _ in state["modules"]:
+            self._counts[module_id].update(counts)
+        for saved in state["episodes"]:
+            record = StoredMultiAgentEpisode(saved["id"], int(saved["env_steps"]), int(saved["agent_steps"]),
+                                             {a: AgentSteps(m, e, int(n)) for a, m, e, n in saved["agents"]})
+            self._order.append(record)
+            self._live[record.id_] = record
+        counters = state["counters"]
+        self._num_timesteps, self._num_timesteps_added = counters["num_timesteps"], counters["num_timesteps_added"]
+        self._num_episodes_evicted = counters["num_episodes_evicted"]
+        self._num_agent_timesteps = counters["num_agent_timesteps"]
+        self._num_agent_timesteps_added = counters["num_agent_timesteps_added"]
+        self.sampled_timesteps = counters["sampled_timesteps"]

@@ -1,0 +1,666 @@
+"""``EpisodeStore``: the shared implementation of the Conduit RLlib buffers, one ring of steps over Conduit's
+functional core. A single-agent buffer is a store plus RLlib's base class (``buffers.py``); a multi-agent buffer keeps
+a store per module (``multi_agent.py``).
+
+A store holds the functional buffer's state, the links of its steps and the host ``EpisodeIndex``, compiles its
+kernels with ``engine.compiled`` (one per layout and static arguments, shared by stores configured alike in a
+process), and does what RLlib's buffer contract asks: add, sample (under a schedule), update priorities, counts,
+metrics and state.
+
+How: steps are items of a Conduit buffer (``samplers.prioritized``; ``alpha=0`` for the uniform class) in a ring of
+``2 * capacity`` steps, so the steps RLlib keeps are always stored while evicted ones wait to be overwritten
+(``Buffer.retire`` takes them out of sampling at once). Each step links to the next step of its episode; one
+compiled kernel draws, follows the links for n-step windows (``Buffer.read``), redraws what RLlib would, and computes
+the weights (``draws.py``).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from typing import Any, Callable, Optional, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from ray.rllib.core import DEFAULT_AGENT_ID, DEFAULT_MODULE_ID
+from ray.rllib.env.single_agent_episode import SingleAgentEpisode
+from ray.rllib.utils import force_list
+from ray.rllib.utils.metrics.metrics_logger import MetricsLogger
+from ray.rllib.utils.replay_buffers.episode_replay_buffer import EpisodeReplayBuffer
+
+from conduit_jax import ExperienceSpec, default_mesh, engine, make_buffer, samplers
+from conduit_jax.replay import compile_size
+from conduit_rllib import draws
+from conduit_rllib.batch import ConduitBatch, train_columns
+from conduit_rllib.draws import Drawn, Request, candidate_count, exact_values, joined, to_host
+from conduit_rllib.episode_index import AddPlan, EpisodeIndex, check_columns, chunk_of, episode_slice, transitions
+
+logger = logging.getLogger("conduit_rllib.buffers")  # a buffer's warnings come from its public module
+
+STATE_FORMAT = "conduit_rllib.episode_replay_buffer"
+STATE_VERSION = 3
+STORAGE_FACTOR = 2  # the ring holds this many times `capacity` steps (see the module docstring)
+PRIORITY_FLOOR = 1e-12  # RLlib's smallest priority
+RING_ADVICE = "the ring holds {factor} x capacity={capacity} steps: raise capacity"
+_KNOWN_KWARGS = {"type", "metrics_num_episodes_for_smoothing"}
+SCHEDULES = ("sync", "overlap", "deferred", "adaptive")
+ADAPTIVE_WAIT_SHARE = 0.1  # adaptive: overlap gives way once sample() waits more than this share of a learner update
+ADAPTIVE_RETRY_AFTER = 32  # adaptive: overlap is tried again after this many batches drawn the deferred way
+_BUFFERS: dict = {}  # (layout, sampler batch size) -> functional Buffer; the state is each buffer's own
+_KERNELS: dict = {}  # (layout, kind, static arguments) -> compiled kernel
+
+
+def adaptive_choice(current: str, waited_s: float, learner_s: float, deferred_batches: int) -> str:
+    """The ``"adaptive"`` schedule's rule: where the next prioritized batch is drawn ahead. ``"overlap"`` (after
+    ``update_priorities``: the batch sees every update, as under sync) while ``sample()`` does not wait for it
+    noticeably, that is, for more than ``ADAPTIVE_WAIT_SHARE`` of the learner's update (the smoothed time from
+    ``sample()`` returning to ``update_priorities``); ``"deferred"`` (after ``sample()``: the draw runs during the
+    learner's update and misses that one priority update) once it does; overlap again after
+    ``ADAPTIVE_RETRY_AFTER`` deferred batches, in case the gap between updates has grown. ``waited_s`` is how long
+    the last ``sample()`` waited for its batch drawn ahead."""
+    if current == "overlap":
+        return "deferred" if waited_s > ADAPTIVE_WAIT_SHARE * learner_s else "overlap"
+    return "overlap" if deferred_batches >= ADAPTIVE_RETRY_AFTER else "deferred"
+
+
+def pieces(n: int):
+    """(start, size) pieces of powers of two covering n rows: each size compiles one ingest kernel, ever. An ingest
+    is split, not padded to one power of two: ``Buffer.ingest`` stores every row it is given (each takes an insertion
+    index), so a padding row would be stored as a step."""
+    start, bit = 0, 1 << max(n.bit_length() - 1, 0)
+    while bit:
+        if n & bit:
+            yield start, bit
+            start += bit
+        bit >>= 1
+
+
+class EpisodeStore:
+    """One ring of RLlib steps in Conduit's functional core, with RLlib's buffer contract (see the module docstring).
+
+    Besides RLlib's buffer arguments: ``prioritized`` draws by priority (else uniformly, alpha 0) and evicts by
+    ``PrioritizedEpisodeReplayBuffer``'s rule; ``redraws`` redraws a step whose episode ends within n steps (RLlib's
+    prioritized and multi-agent buffers do); ``label`` names the store in messages (default: its class name);
+    ``ring_advice`` is what an add refused for want of ring space tells the user to change (``{factor}``,
+    ``{capacity}`` and ``{storage_capacity}`` are filled in); ``adaptive_rule`` is the ``"adaptive"`` schedule's rule
+    (``adaptive_choice``'s arguments and result)."""
+
+    def __init__(self, capacity: int = 10000, *, batch_size_B: int = 16, batch_length_T: int = 1,
+                 metrics_num_episodes_for_smoothing: int = 100, n_step: int = 1, alpha: float = 1.0,
+                 beta: float = 0.0, num_shards: int = 1, seed: int = 0, deliver: str = "episodes",
+                 schedule: str = "sync", prioritized: bool = False, redraws: bool = False,
+                 label: Optional[str] = None, ring_advice: str = RING_ADVICE,
+                 adaptive_rule: Callable[[str, float, float, int], str] = adaptive_choice, **kwargs):
+        # RLlib's parent constructors are not run on purpose (they allocate the Python episode deque and, for PER,
+        # segment trees of 2 * capacity nodes); set what RLlib code reads from a buffer
+        self._prioritized, self._redraws, self._adaptive_rule = bool(prioritized), bool(redraws), adaptive_rule
+        self._label = name = label or type(self).__name__
+        unknown = set(kwargs) - _KNOWN_KWARGS
+        if unknown:
+            logger.warning("%s: ignoring unknown replay_buffer_config keys %s", name, sorted(unknown))
+        if not isinstance(capacity, (int, np.integer)) or isinstance(capacity, bool) or capacity < 1:
+            raise ValueError(f"{name}: capacity must be an int >= 1 (steps), got {capacity!r}")
+        if not isinstance(n_step, int) or n_step < 1:
+            raise ValueError(f"{name}: n_step must be an int >= 1, got {n_step!r} (kept for older configs: sample() "
+                             f"takes any n_step)")
+        if deliver not in ("episodes", "torch"):
+            raise ValueError(f"{name}: deliver must be 'episodes' or 'torch', got {deliver!r}")
+        if schedule not in SCHEDULES:
+            raise ValueError(f"{name}: schedule must be one of {SCHEDULES}, got {schedule!r}")
+        for key, value in (("alpha", alpha), ("beta", beta)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not np.isfinite(value) or value < 0:
+                raise ValueError(f"{name}: {key} must be a finite number >= 0, got {value!r}")
+        if not isinstance(num_shards, int) or num_shards < 1:
+            raise ValueError(f"{name}: num_shards must be an int >= 1, got {num_shards!r}")
+        self.capacity = int(capacity)
+        self.batch_size_B = int(batch_size_B)
+        self.batch_length_T = batch_length_T
+        self.n_step = n_step
+        self.alpha = float(alpha) if self._prioritized else 0.0
+        self.beta = float(beta)
+        self.num_shards = num_shards
+        self.seed = int(seed)
+        self.deliver = deliver
+        self.schedule = schedule
+        self.rng = np.random.default_rng(seed)
+        self.metrics = MetricsLogger(root=False)
+        self._metrics_num_episodes_for_smoothing = metrics_num_episodes_for_smoothing
+        self.observation_space = None
+        self.action_space = None
+        self.timings = collections.defaultdict(float)  # seconds spent in add / sample / update_priorities
+        storage = STORAGE_FACTOR * self.capacity
+        self.storage_capacity = storage + (-storage) % num_shards
+        self._ring_advice = ring_advice.format(factor=STORAGE_FACTOR, capacity=self.capacity,
+                                               storage_capacity=self.storage_capacity)
+        self._reset()
+
+    def _reset(self) -> None:
+        self._index = EpisodeIndex(self.capacity, self.storage_capacity, self._prioritized)
+        self.sampled_timesteps = 0
+        self._draws = 0  # sample kernels run (each one's candidate pick uses its own random key)
+        self._spec: Optional[ExperienceSpec] = None
+        self._keys: dict = {}  # extra_model_outputs / infos column -> the key it stores
+        self._state = None
+        self._links = None  # int32[3, ring]: see draws.py
+        self._last_ids = None
+        self._last_request: Optional[Request] = None
+        self._prefetched: Optional[Drawn] = None  # the next batch, drawn ahead (schedule overlap / deferred)
+        # where the next batch is drawn ahead ("overlap": after update_priorities, "deferred": after sample(), None:
+        # not at all); adaptive moves it with its rule (adaptive_choice)
+        self._ahead = {"sync": None, "adaptive": "overlap"}.get(self.schedule, self.schedule)
+        self._deferred_run = 0  # batches drawn ahead the deferred way in a row (adaptive)
+        self._learner_s = 0.0  # smoothed time from sample() returning to update_priorities (the learner's update)
+        self._handed_at: Optional[float] = None  # when the last sample() returned
+        self._ahead_counts = {"after_update": 0, "after_sample": 0, "waited": 0}
+        # per n-step range (PER's redraw): the share of drawn candidates whose window fitted, smoothed; sizes the
+        # next draw (1.0 until a draw says otherwise)
+        self._fit_share: dict = {}
+
+    @property
+    def episodes(self) -> list:
+        """The stored episodes, oldest first (``id_``, ``len()``, ``is_terminated``, ``is_truncated``)."""
+        return list(self._index.order)
+
+    # -- the functional buffer and its kernels --------------------------------------------------------------------
+    def _buffer(self, batch: int, spec: Optional[ExperienceSpec] = None):
+        """The functional buffer drawing ``batch`` items, for this buffer's spec (or ``spec``)."""
+        spec = spec or self._spec
+        key = (self._layout(spec), batch)
+        if key not in _BUFFERS:
+            # beta 1 with buffer normalisation: weights (P / P_min)^-1, raised to the beta each sample() asks for
+            sampler = samplers.prioritized(batch, alpha=self.alpha, beta=1.0, eps=PRIORITY_FLOOR, normalise="buffer")
+            _BUFFERS[key] = make_buffer(spec, self.storage_capacity, sampler, mesh=default_mesh(self.num_shards))
+        return _BUFFERS[key]
+
+    def _layout(self, spec: Optional[ExperienceSpec] = None) -> tuple:
+        """What the functional buffer and the kernels depend on: buffers configured alike share them (and their
+        compiled code), within one process."""
+        return (self._prioritized, self.alpha, self.storage_capacity, self.num_shards, spec or self._spec)
+
+    def _start(self, spec: ExperienceSpec) -> None:
+        self._spec = spec
+        buffer = self._buffer(self.num_shards)
+        self._state = buffer.init(self.seed)
+        self._links = jnp.full((3, self.storage_capacity), -1, jnp.int32)
+
+    def _kernel(self, kind: str, *static):
+        """The compiled kernel ``kind`` (``rllib_<kind>`` in ``engine.COMPILES``) for this layout and ``static``."""
+        key = (self._layout(), kind) + static
+        if key not in _KERNELS:
+            _KERNELS[key] = engine.compiled(self._step(kind, static), f"rllib_{kind}", donate_argnums=0)
+        return _KERNELS[key]
+
+    def _step(self, kind: str, static: tuple):
+        """The pure function over the core's state (donated) that kernel ``kind`` compiles."""
+        buffer = self._buffer(self.num_shards)
+        if kind == "ingest":
+            return buffer.ingest
+        if kind == "retire":
+            return buffer.retire
+        if kind == "update":
+            return buffer.update
+        if kind == "link":
+            return draws.link
+        if kind == "update_draw":
+            return draws.make_update_draw(buffer.update, self._kernel("draw", *static))
+        if kind == "draw":
+            return draws.make_draw(self._buffer, self._spec.names, self._prioritized, *static)
+        make = {"sequences": draws.make_sequences, "slices": draws.make_slices}[kind]
+        return make(self._buffer, self._spec.names, *static)
+
+    # -- add ------------------------------------------------------------------------------------------------------
+    def add(self, episodes: Union[list, SingleAgentEpisode]) -> None:
+        start = time.perf_counter()
+        episodes = [episode for episode in force_list(episodes) if len(episode) > 0]
+        if not episodes:
+            return
+        plan = self.prepare(episodes)
+        self.commit(plan)
+        self._log_add(plan.steps_added, plan.episodes_added, len(plan.evicted), plan.steps_evicted)
+        self.timings["add"] += time.perf_counter() - start
+
+    def prepare(self, episodes: list, evict: Optional[list] = None) -> AddPlan:
+        """Everything an add of ``episodes`` (non-empty chunks) does, checked and laid out, with nothing changed yet
+        (``commit`` applies it): each chunk's columns (``chunk_of``) against the stored spec, RLlib's eviction
+        (``EpisodeIndex.plan``; with ``evict``, episode ids, the caller's), where each step goes and whether every
+        step kept is still in the ring afterwards."""
+        name = self._label
+        chunks = [chunk_of(episode, name) for episode in episodes]
+        spec = self._spec or (ExperienceSpec.from_structs({k: jax.ShapeDtypeStruct(v.shape[1:], v.dtype)
+                                                           for k, v in chunks[0].columns.items()}) if chunks else None)
+        for chunk in chunks:
+            check_columns(name, spec, chunk)
+        plan = self._index.plan(chunks, evict)
+        back = self._index.reach(plan)
+        if back > self.storage_capacity:
+            raise ValueError(f"{name}.add(): after this add the buffer would keep {plan.timesteps} steps, the "
+                             f"oldest of episode {plan.order[0].id_!r} {back} steps back, more than the "
+                             f"{self.storage_capacity} steps it stores; {self._ring_advice} (nothing was added)")
+        return plan._replace(spec=spec, keys=dict(chunks[0].keys) if chunks else {},
+                             spaces=chunks[0].spaces if chunks else (None, None))
+
+    def commit(self, plan: AddPlan) -> None:
+        """Apply a prepared add: write, link, retire the evicted steps, then the host index."""
+        if self._spec is None and plan.spec is not None:
+            self._start(plan.spec)
+            self._keys = plan.keys
+        written, rows = plan.written, None
+        if written:
+            batch = {key: np.concatenate([chunk.columns[key] for chunk in written]) for key in self._spec.names}
+            ingest = self._kernel("ingest")
+            for first, count in pieces(plan.item - self._index.items):
+                self._state = ingest(self._state, {k: v[first:first + count] for k, v in batch.items()})
+            full, patch = self._link_rows(np.concatenate(plan.rows, axis=1), plan.patches)
+            self._links = self._kernel("link")(self._links, full, patch)
+            rows = full[0][full[0] < self.storage_capacity]
+        gone = [record.items() for record in plan.evicted if record.segments]
+        if gone:
+            ids = self._ids(np.concatenate(gone))
+            if self._prefetched is not None:
+                # a batch drawn ahead may hold a step evicted now: it is never handed over (drawn again instead)
+                drawn = np.asarray(self._prefetched.ids).astype(np.int64)
+                if np.isin(drawn[:, 0] << 32 | drawn[:, 1], ids[:, 0].astype(np.int64) << 32 | ids[:, 1]).any():
+                    self._prefetched = None
+            ids = np.concatenate([ids, np.full((compile_size(ids.shape[0]) - ids.shape[0], 2), -1, np.int32)])
+            self._state = self._kernel("retire")(self._state, ids)
+        self._index.apply(plan, rows)
+        if self.observation_space is None:
+            self.observation_space, self.action_space = plan.spaces
+
+    def _ids(self, items) -> np.ndarray:
+        return self._buffer(self.num_shards).item_ids(items)
+
+    def _rows(self, items: np.ndarray) -> np.ndarray:
+        """Ring rows of insertion indices; -1 (no step) stays -1."""
+        return np.where(items >= 0, self._ids(np.maximum(items, 0))[:, 0], -1).astype(np.int32)
+
+    def _link_rows(self, written: np.ndarray, patches: list):
+        """The link kernel's arguments: for each written step [item, next, previous, episode's first] as rows, and
+        the (row, next row) of each episode's last stored step that a new chunk continues; padded to powers of two
+        with rows past the ring (dropped)."""
+        steps = written.shape[1]
+        patch_items = np.asarray(patches, np.int64).reshape(-1, 2).T
+        rows = self._rows(np.concatenate([written.reshape(-1), patch_items.reshape(-1)]))  # one id lookup
+        full = np.full((written.shape[0], compile_size(steps)), -1, np.int32)
+        full[:, :steps] = rows[:written.size].reshape(written.shape)
+        patch = np.full((2, compile_size(max(patch_items.shape[1], 1))), -1, np.int32)
+        patch[:, :patch_items.shape[1]] = rows[written.size:].reshape(patch_items.shape)
+        for block in (full, patch):
+            block[0] = np.where(block[0] >= 0, block[0], self.storage_capacity)
+        return full, patch
+
+    def _log_add(self, steps: int, episodes_added: int, evicted: int, steps_evicted: int) -> None:
+        agent, module = {DEFAULT_AGENT_ID: episodes_added}, {DEFAULT_MODULE_ID: episodes_added}
+        EpisodeReplayBuffer._update_add_metrics(
+            self, num_episodes_added=episodes_added, num_env_steps_added=steps, num_episodes_evicted=evicted,
+            num_env_steps_evicted=steps_evicted, agent_to_num_episodes_added=agent,
+            agent_to_num_steps_added={DEFAULT_AGENT_ID: steps},
+            agent_to_num_episodes_evicted={DEFAULT_AGENT_ID: evicted},
+            agent_to_num_steps_evicted={DEFAULT_AGENT_ID: steps_evicted}, module_to_num_episodes_added=module,
+            module_to_num_steps_added={DEFAULT_MODULE_ID: steps},
+            module_to_num_episodes_evicted={DEFAULT_MODULE_ID: evicted},
+            module_to_num_steps_evicted={DEFAULT_MODULE_ID: steps_evicted})
+
+    # -- sample ---------------------------------------------------------------------------------------------------
+    def sample(self, num_items: Optional[int] = None, *, batch_size_B: Optional[int] = None,
+               batch_length_T: Optional[int] = None, n_step: Optional[Union[int, tuple]] = None,
+               beta: float = 0.0, gamma: float = 0.99, include_infos: bool = False,
+               include_extra_model_outputs: bool = False, sample_episodes: Optional[bool] = False,
+               to_numpy: bool = False,
+               lookback: int = 0, min_batch_length_T: int = 0, **kwargs):
+        start = time.perf_counter()
+        name = self._label
+        if num_items is not None and batch_size_B is not None:
+            raise ValueError(f"{name}.sample(): pass num_items or batch_size_B, not both")
+        size = num_items or batch_size_B or self.batch_size_B
+        if not isinstance(size, (int, np.integer)) or size < 1:
+            raise ValueError(f"{name}.sample(): the batch size must be an int >= 1, got {size!r}")
+        if not sample_episodes and not self._prioritized:
+            return self._sample_batch(size, batch_length_T or self.batch_length_T, start)
+        if batch_length_T and not self._prioritized:
+            return self._sample_slices(size, batch_length_T, lookback, min_batch_length_T, n_step, start)
+        if batch_length_T not in (None, 0, 1) or lookback:
+            raise NotImplementedError(
+                f"{name}.sample(): sequences of episodes (batch_length_T={batch_length_T}, lookback={lookback}) come "
+                f"from ConduitEpisodeReplayBuffer (sample_episodes=True with batch_length_T >= 1); RLlib's "
+                f"prioritized buffer samples none either, and lookback applies to sequences only")
+        if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not np.isfinite(beta) or beta < 0:
+            raise ValueError(f"{name}.sample(): beta must be a finite number >= 0, got {beta!r}")
+        if self._index.num_timesteps == 0:
+            raise ValueError(f"{name}.sample(): the buffer is empty; add() episodes first")
+        request = Request(size, self.n_range(n_step), float(beta), float(gamma))
+        drawn, resamples = self.take(request)
+        self._log_sample(size, float(np.mean(n_step)) if isinstance(n_step, (tuple, list)) else float(n_step or 1),
+                         resamples)
+        if self.deliver == "torch":
+            out = ConduitBatch(train_columns(drawn.columns, include_infos, include_extra_model_outputs),
+                               DEFAULT_MODULE_ID, size)
+        else:
+            out = self.episodes_of(drawn, to_numpy, include_infos, include_extra_model_outputs)
+        self._handed_at = time.perf_counter()
+        self.timings["sample"] += self._handed_at - start
+        return out
+
+    def take(self, request: Request) -> tuple[Drawn, int]:
+        """The batch for ``request``: the one drawn ahead if it was drawn for the same request, else drawn now
+        (again while too few windows fit, RLlib's resampling); then the next one drawn ahead as the schedule says.
+        Returns the batch and the number of extra draws."""
+        drawn, self._prefetched = self._prefetched, None
+        if drawn is not None:
+            waited = self._wait_for(drawn)
+            if self.schedule == "adaptive":
+                self._ahead = self._adaptive_rule(self._ahead, waited, self._learner_s, self._deferred_run)
+            if not self._fitted(drawn) or drawn.request != request:
+                drawn = None  # drawn for another request (or short of fitting windows): draw now
+        attempt, parts, found = 0, [], 0  # parts: (draw, its first rows that fit), while no draw alone has enough
+        while drawn is None:
+            candidate = self._draw(request)
+            if self._fitted(candidate) and not parts:
+                drawn = candidate
+                break
+            take = min(int(candidate.fitting), request.size - found)
+            if take:
+                parts.append((candidate, take))
+                found += take
+            if found == request.size:
+                drawn = joined(parts)
+            elif attempt == 63 or (attempt == 0 and not any(record.length >= request.n_range[0]
+                                                            for record in self._index.order)):
+                low, high = request.n_range  # 64 kernels, or (checked once) no episode is long enough
+                raise ValueError(f"{self._label}.sample(): {attempt + 1} draw kernel(s) found {found} of the "
+                                 f"{request.size} steps asked for with n_step={low if low == high else (low, high + 1)}"
+                                 f" more steps in their episode; sample a smaller n_step or add longer episodes")
+            attempt += 1
+        self._last_ids = drawn.ids
+        self._last_request = request
+        self.sampled_timesteps += request.size
+        if self._ahead == "deferred" or (self._ahead == "overlap" and not self._prioritized):
+            self._prefetched = self._draw(request)  # runs while the learner updates (async dispatch)
+            self._ahead_counts["after_sample"] += 1
+        self._deferred_run = self._deferred_run + 1 if self._ahead == "deferred" else 0
+        return drawn, attempt
+
+    def _fitted(self, drawn: Drawn) -> bool:
+        """Whether ``drawn`` has enough fitting windows (waits for its kernel). What share of its candidates fitted
+        sizes the next draws of its n-step range: smoothed, or at once the observed share when too few fitted."""
+        enough, observed = bool(drawn.enough), int(drawn.fitting) / drawn.candidates
+        smoothed = 0.5 * self._fit_share.get(drawn.request.n_range, 1.0) + 0.5 * observed
+        self._fit_share[drawn.request.n_range] = smoothed if enough else min(smoothed, observed)
+        return enough
+
+    def _wait_for(self, drawn: Drawn) -> float:
+        """Seconds spent waiting for the kernel of a batch drawn ahead (0 when it had finished)."""
+        if drawn.enough.is_ready():
+            return 0.0
+        start = time.perf_counter()
+        drawn.enough.block_until_ready()
+        self._ahead_counts["waited"] += 1
+        return time.perf_counter() - start
+
+    def _sample_batch(self, size: int, length: int, start: float) -> dict:
+        """RLlib's ``EpisodeReplayBuffer`` batch of ``size`` rows of ``length`` entries (NumPy, as RLlib returns it)."""
+        name = self._label
+        if not isinstance(length, (int, np.integer)) or length < 1:
+            raise ValueError(f"{name}.sample(): batch_length_T must be an int >= 1, got {length!r}")
+        if self._index.num_timesteps == 0:
+            raise ValueError(f"{name}.sample(): the buffer is empty; add() episodes first")
+        padded = size + (-size) % self.num_shards
+        self._state, out = self._kernel("sequences", padded, int(length))(self._state, self._links,
+                                                                          np.uint32(self.seed), np.uint32(self._draws))
+        self._draws += 1
+        out = exact_values({k: v[:size] for k, v in to_host(out).items()}, 0.0)
+        self.sampled_timesteps += size * length
+        self._log_sample(size * length, None, 0)
+        self.timings["sample"] += time.perf_counter() - start
+        return out
+
+    def _sample_slices(self, size: int, length, lookback, min_length, n_step, start: float) -> list:
+        """RLlib's ``EpisodeReplayBuffer._sample_episodes`` with ``batch_length_T``: episode slices from uniformly
+        drawn steps, until the slices' lengths + 1 add up to ``size`` (RLlib's count)."""
+        name = self._label
+        for key, value, low in (("batch_length_T", length, 1), ("lookback", lookback, 0),
+                                ("min_batch_length_T", min_length, 0)):
+            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < low:
+                raise ValueError(f"{name}.sample(): {key} must be an int >= {low}, got {value!r}")
+        if n_step not in (None, 1):
+            raise ValueError(f"{name}.sample(): sequences (batch_length_T={length}) take n_step=1, as RLlib's, got "
+                             f"{n_step!r}")
+        if self._index.num_timesteps == 0:
+            raise ValueError(f"{name}.sample(): the buffer is empty; add() episodes first")
+        if min_length and not any(record.length > min_length for record in self._index.order):
+            raise ValueError(f"{name}.sample(): no stored episode is longer than min_batch_length_T={min_length} "
+                             f"steps, so no sequence can start (the longest has "
+                             f"{max(record.length for record in self._index.order)}); add longer episodes")
+        candidates = -(-size // 2)  # a slice counts >= 2 towards size
+        candidates += (-candidates) % self.num_shards
+        kernel = self._kernel("slices", candidates, int(lookback), int(length))
+        spaces = (self.observation_space, self.action_space)
+        out, counted, steps_seen, episodes_seen = [], 0, set(), set()
+        while counted < size:
+            self._state, rows, valid, data, end = kernel(self._state, self._links, np.uint32(self.seed),
+                                                         np.uint32(self._draws))
+            self._draws += 1
+            rows, valid, data, end = to_host((rows, valid, data, end))
+            if not valid:
+                raise ValueError(f"{name}.sample(): the buffer has no step to draw")
+            data, end = exact_values(dict(data), 0.0), exact_values(dict(end), 0.0)
+            for i in range(candidates):
+                record, t = self._index.episode_at(rows[i, lookback])
+                if min_length and t + min_length >= record.length:
+                    continue  # RLlib draws again
+                episode = episode_slice(record, t, i, min(lookback, t), int(np.sum(rows[i, lookback:] >= 0)),
+                                        int(lookback), data, end, self._keys, spaces)
+                out.append(episode)
+                steps_seen.add((record.id_, t))
+                episodes_seen.add(record.id_)
+                counted += len(episode) + 1
+                if counted >= size:
+                    break
+        self.sampled_timesteps += size
+        self._log_sample(size, len(out) / size, 0, episodes=len(episodes_seen), unique_steps=len(steps_seen))
+        self.timings["sample"] += time.perf_counter() - start
+        return out
+
+    def _draw(self, request: Request, update: Optional[tuple] = None) -> Drawn:
+        """Dispatch one draw kernel for ``request`` (JAX runs it asynchronously; reading a result waits for it),
+        after the priority update ``(ids, values)`` when one is given (in the same kernel)."""
+        padded = request.size + (-request.size) % self.num_shards  # a multiple of the shard count
+        low, high = request.n_range
+        redraw = self._redraws and high > 1
+        # PER redraws a step whose episode ends within n steps: extra candidates, as many as the share of fitting
+        # windows in earlier draws asks for, so one kernel almost always has enough (more, joined, when not)
+        candidates = candidate_count(padded, self._fit_share.get(request.n_range, 1.0)) if redraw else padded
+        candidates += (-candidates) % self.num_shards
+        static = (candidates, padded, compile_size(high), redraw)
+        n = self.rng.integers(low, high + 1, size=candidates, dtype=np.int32) if low < high else \
+            np.full(candidates, low, np.int32)
+        args = (self._links, n, np.float32(request.beta), np.float32(request.gamma), np.uint32(self.seed),
+                np.uint32(self._draws))
+        if update is None:
+            self._state, columns, ids, enough, fitting = self._kernel("draw", *static)(self._state, *args)
+        else:
+            self._state, columns, ids, enough, fitting = self._kernel("update_draw", *static)(self._state, *update,
+                                                                                              *args)
+        self._draws += 1
+        if padded != request.size:
+            columns, ids = {k: v[:request.size] for k, v in columns.items()}, ids[:request.size]
+        return Drawn(request, columns, ids, enough, fitting, candidates)
+
+    def n_range(self, n_step) -> tuple[int, int]:
+        """The n-steps to draw from, inclusive: RLlib's ``(low, high)`` draws n in ``[low, high)``."""
+        name = self._label
+        if isinstance(n_step, (tuple, list)):
+            if len(n_step) != 2 or not all(isinstance(x, (int, np.integer)) for x in n_step) \
+                    or not 1 <= n_step[0] < n_step[1]:
+                raise ValueError(f"{name}.sample(): an n_step range must be (low, high) ints with 1 <= low < high, "
+                                 f"got {n_step!r}")
+            return int(n_step[0]), int(n_step[1]) - 1
+        n = 1 if n_step is None else n_step
+        if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"{name}.sample(): n_step must be an int >= 1 or a (low, high) range, got {n_step!r}")
+        return int(n), int(n)
+
+    def _log_sample(self, steps: int, mean_n: Optional[float], resamples: int, episodes: int = 0,
+                    unique_steps: Optional[int] = None) -> None:
+        """RLlib's sample metrics; ``mean_n`` None for sequence batches (RLlib logs no n-step there); ``episodes`` and
+        ``unique_steps``: the distinct episodes and steps drawn, where RLlib counts them."""
+        agent, module = DEFAULT_AGENT_ID, DEFAULT_MODULE_ID
+        unique = steps if unique_steps is None else unique_steps
+        EpisodeReplayBuffer._update_sample_metrics(
+            self, num_env_steps_sampled=steps, num_episodes_per_sample=episodes, num_env_steps_per_sample=unique,
+            sampled_n_step=mean_n, num_resamples=resamples, agent_to_num_steps_sampled={agent: steps},
+            agent_to_num_episodes_per_sample={agent: episodes}, agent_to_num_steps_per_sample={agent: unique},
+            agent_to_sampled_n_step=None if mean_n is None else {agent: mean_n},
+            agent_to_num_resamples={agent: resamples}, module_to_num_steps_sampled={module: steps},
+            module_to_num_episodes_per_sample={module: episodes}, module_to_num_steps_per_sample={module: unique},
+            module_to_sampled_n_step=None if mean_n is None else {module: mean_n},
+            module_to_num_resamples={module: resamples})
+
+    def episodes_of(self, drawn: Drawn, to_numpy: bool, infos: bool, extras: bool) -> list:
+        """``drawn`` as RLlib's 1-step episodes (``episode_index.transitions``)."""
+        host = exact_values(to_host(drawn.columns), drawn.request.gamma)
+        records, starts = self._index.records_at(np.asarray(drawn.ids)[:, 0])
+        return transitions(records, starts, host, self._keys, (self.observation_space, self.action_space), to_numpy,
+                           infos, extras)
+
+    # -- priorities ---------------------------------------------------------------------------------------------
+    def update_priorities(self, priorities, module_id: Optional[str] = None) -> None:
+        """New priorities ``|priorities|`` (RLlib passes TD errors) for the steps of the last ``sample()``; a step
+        evicted or overwritten since is skipped."""
+        name = self._label
+        if not self._prioritized:
+            raise NotImplementedError(f"{name} samples uniformly; use ConduitPrioritizedEpisodeReplayBuffer")
+        if self._last_ids is None:
+            raise ValueError(f"{name}.update_priorities(): no batch sampled since the last update")
+        start = time.perf_counter()
+        values = np.abs(np.asarray(priorities, dtype=np.float32).reshape(-1))
+        if values.shape[0] != self._last_ids.shape[0]:
+            raise ValueError(f"{name}.update_priorities(): {values.shape[0]} priorities for a batch of "
+                             f"{self._last_ids.shape[0]} steps")
+        if not np.all(np.isfinite(values)):
+            raise ValueError(f"{name}.update_priorities(): priorities must be finite, got "
+                             f"{values[~np.isfinite(values)][:4].tolist()} (nothing was updated)")
+        if self._handed_at is not None:
+            learner = start - self._handed_at
+            self._learner_s = 0.9 * self._learner_s + 0.1 * learner if self._learner_s else learner
+            self._handed_at = None
+        if self._ahead == "overlap" and self._last_request is not None:
+            # the next batch, drawn after this update in the same kernel; runs during the env rollout
+            self._prefetched = self._draw(self._last_request, update=(self._last_ids, values))
+            self._ahead_counts["after_update"] += 1
+        else:
+            self._state = self._kernel("update")(self._state, self._last_ids, values)
+        self._last_ids = None
+        self.timings["update_priorities"] += time.perf_counter() - start
+
+    # -- sizes and metrics -------------------------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return self.get_num_timesteps()
+
+    def get_num_timesteps(self, module_id: Optional[str] = None) -> int:
+        return self._index.num_timesteps
+
+    def get_num_episodes(self, module_id: Optional[str] = None) -> int:
+        return len(self._index.order)
+
+    def get_num_episodes_evicted(self, module_id: Optional[str] = None) -> int:
+        return self._index.num_episodes_evicted
+
+    def get_added_timesteps(self, module_id: Optional[str] = None) -> int:
+        return self._index.num_timesteps_added
+
+    def get_sampled_timesteps(self, module_id: Optional[str] = None) -> int:
+        return self.sampled_timesteps
+
+    def get_metrics(self):
+        return self.metrics.reduce()
+
+    def stats(self) -> dict[str, int]:
+        """What RLlib's counters do not say: steps written to the ring (evicted ones included), its size, priority
+        updates skipped because their step was evicted or overwritten since it was sampled, and the schedule's
+        batches drawn ahead: right after a priority update (``drawn_ahead_after_update``: prioritized overlap),
+        right after a ``sample()`` (``drawn_ahead_after_sample``: deferred, uniform overlap), and how many of them
+        ``sample()`` had to wait for (``drawn_ahead_waited``); ``sample_kernels``: draw kernels run (one per batch,
+        more when PER's redraw found too few fitting windows or a batch drawn ahead was for another request)."""
+        ignored = 0 if self._state is None else int(self._state.sampler.ignored_updates)
+        return {"steps_written": self._index.items, "storage_capacity": self.storage_capacity,
+                "priority_updates_ignored": ignored, "sample_kernels": self._draws,
+                **{f"drawn_ahead_{where}": count for where, count in self._ahead_counts.items()}}
+
+    # -- state ----------------------------------------------------------------------------------------------------
+    def _config(self) -> dict:
+        return {"capacity": self.capacity, "batch_size_B": self.batch_size_B, "alpha": self.alpha,
+                "num_shards": self.num_shards, "seed": self.seed, "prioritized": self._prioritized}
+
+    def get_state(self) -> dict[str, Any]:
+        """The buffer as NumPy arrays plus JSON-able metadata: nothing pickled, nothing JAX."""
+        index = self._index
+        state = {"format": STATE_FORMAT, "version": STATE_VERSION, "config": self._config(),
+                 "counters": {"num_timesteps": index.num_timesteps, "num_timesteps_added": index.num_timesteps_added,
+                              "num_episodes_evicted": index.num_episodes_evicted,
+                              "sampled_timesteps": self.sampled_timesteps, "items": index.items,
+                              "draws": self._draws,
+                              "fit_share": [[*key, share] for key, share in self._fit_share.items()]},
+                 "rng": self.rng.bit_generator.state, "episodes": index.saved(), "spec": None, "arrays": {}}
+        if self._spec is None:
+            return state
+        spec = self._spec
+        state["spec"] = {"names": list(spec.names), "shapes": [list(s) for s in spec.shapes],
+                         "dtypes": [str(d) for d in spec.dtypes], "keys": [[k, v] for k, v in self._keys.items()]}
+        leaves = jax.tree_util.tree_flatten_with_path(self._state)[0]
+        state["arrays"] = {jax.tree_util.keystr(path): np.array(leaf) for path, leaf in leaves}
+        state["arrays"]["links"] = np.array(self._links)
+        return state
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        """Restore what ``get_state`` returned (from a buffer configured the same way); checked before anything
+        changes."""
+        name = self._label
+        if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
+            raise ValueError(f"{name}.set_state(): not a Conduit buffer state (format {state.get('format')!r}; "
+                             f"expected {STATE_FORMAT!r})" if isinstance(state, dict) else
+                             f"{name}.set_state(): expected a dict, got {type(state).__name__}")
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(f"{name}.set_state(): state version {state.get('version')!r}, this code reads "
+                             f"{STATE_VERSION}")
+        mine, theirs = self._config(), dict(state["config"])
+        differ = {k: (theirs.get(k), v) for k, v in mine.items()
+                  if k not in ("batch_size_B", "seed") and theirs.get(k) != v}
+        if differ:
+            raise ValueError(f"{name}.set_state(): the state was saved by a buffer configured differently "
+                             f"(saved, this): {differ}")
+        spec = restored = links = None
+        if state["spec"] is not None:
+            recorded = state["spec"]
+            spec = ExperienceSpec.from_structs({n: jax.ShapeDtypeStruct(tuple(s), np.dtype(d)) for n, s, d in
+                                                zip(recorded["names"], recorded["shapes"], recorded["dtypes"])})
+            buffer = self._buffer(self.num_shards, spec)
+            template = jax.eval_shape(lambda: buffer.init(0))
+            leaves, treedef = jax.tree_util.tree_flatten_with_path(template)
+            shardings = jax.tree_util.tree_leaves(buffer.shardings)
+            arrays = dict(state["arrays"])
+            links = np.asarray(arrays.pop("links", None))
+            names = [jax.tree_util.keystr(path) for path, _ in leaves]
+            if sorted(names) != sorted(arrays) or links.shape != (3, self.storage_capacity):
+                raise ValueError(f"{name}.set_state(): the state's arrays {sorted(arrays)} do not match this buffer's "
+                                 f"{sorted(names)} + links[3, {self.storage_capacity}]")
+            restored = []
+            for (path, leaf), key, sharding in zip(leaves, names, shardings):
+                value = np.asarray(arrays[key])
+                if value.shape != leaf.shape or value.dtype != leaf.dtype:
+                    raise ValueError(f"{name}.set_state(): array {key} is {value.dtype}{list(value.shape)}, the buffer "
+                                     f"expects {leaf.dtype}{list(leaf.shape)}")
+                restored.append(jax.device_put(value, sharding))
+            restored = jax.tree_util.tree_unflatten(treedef, restored)
+        counters = state["counters"]
+        self._reset()
+        if spec is not None:
+            self._spec, self._keys = spec, {k: v for k, v in state["spec"]["keys"]}
+            self._state, self._links = restored, jnp.asarray(links.astype(np.int32))
+        self.sampled_timesteps = int(counters["sampled_timesteps"])
+        self._draws = int(counters["draws"])
+        self._fit_share = {(int(low), int(high)): float(share) for low, high, share in counters.get("fit_share", [])}
+        self._index.restore(state["episodes"], counters, self._rows)
+        self.rng.bit_generator.state = state["rng"]
