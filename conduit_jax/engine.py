@@ -212,6 +212,7 @@ class Engine:
         self._steps = {"": (lambda state: (state,), 0),
                        "sample": (functools.partial(replay.sample, config), 1),
                        "version": (lambda state, version: (replay.set_policy_version(config, state, version),), 0)}
+        self._step_options: dict[str, tuple] = {}  # a caller's step (add_step) -> (writes, donates, keeps_status)
         self._status_kernel = jax.jit(lambda *form: replay.status(config, self._joined(*form)))
         rows = staging.staging_rows(config.layout, config.capacity, config.num_shards) if staging_rows is None \
             else staging_rows
@@ -240,7 +241,7 @@ class Engine:
         return computable(self.bundle.join(tuple(storage_leaves) + tuple(rest_leaves), small), self.shardings)
 
     def reading_kernel(self, step, num_outputs: int, recycles: bool = False, delivery: bool = False,
-                       writes: bool = False):
+                       writes: bool = False, donates: tuple = ()):
         """Jit ``step(state, *args) -> (state', *outputs)`` over the state's bundled form. For a step that only reads
         storage: storage's large leaves (the ring) go in undonated and do not come out, the rest is donated and keeps
         its placement. Call it with ``run`` (which writes staged rows and pending updates first, in a kernel of
@@ -249,7 +250,8 @@ class Engine:
 
         ``recycles``: the kernel takes one more donated argument after the state, a finished output of the same
         shapes, which it never reads: XLA writes the outputs into its buffers (``keep_unused``, or jit would drop it).
-        ``delivery``: compiled with the delivery kernels' XLA options (``runtime.delivery_compiler_options``)."""
+        ``delivery``: compiled with the delivery kernels' XLA options (``runtime.delivery_compiler_options``).
+        ``donates``: positions in ``args`` (after the recycled output, if any) of arguments donated too."""
         storage_large = 0 if writes else self._storage_large
         joined, split = self._joined, self.bundle.split
 
@@ -258,7 +260,7 @@ class Engine:
             large, small = split(new_state)
             return (large[storage_large:], small, *outputs)
 
-        donated = (0, 1, 2) if writes else (1, 2)
+        donated = ((0, 1, 2) if writes else (1, 2)) + tuple(3 + int(recycles) + i for i in donates)
         options = runtime.delivery_compiler_options(self.config.mesh.devices.flat) if delivery else None
         return jax.jit(kernel, donate_argnums=donated + ((3,) if recycles else ()), keep_unused=recycles,
                        out_shardings=(self.bundle.large_shardings[storage_large:], self.bundle.small_sharding)
@@ -275,6 +277,8 @@ class Engine:
             return kernel[0]
         config = self.config
         step, own_outputs = self._steps[step_name]
+        step_writes, step_donates, _ = self._step_options.get(step_name, (False, (), False))
+        writes = staged is not None or step_writes
         reports = self.reports_deliverable and (staged is not None or step_name == "version" or (
             step_name == "sample" and config.sampler.sampling_retires))
 
@@ -295,8 +299,10 @@ class Engine:
                 outputs.append(replay.deliverable(config, state))
             return (state, *outputs)
 
+        before = int(bool(updates)) + 2 * int(staged is not None)  # the kernel's arguments before the step's own
         kernel = self.reading_kernel(full_step, int(staged is not None) + own_outputs + int(reports), recycles,
-                                     delivery=step_name == "sample", writes=staged is not None)
+                                     delivery=step_name == "sample", writes=writes,
+                                     donates=tuple(before + i for i in step_donates))
         self._kernels[key] = kernel, self._kernel_name(*key)
         return kernel
 
@@ -333,14 +339,16 @@ class Engine:
         self.dispatches[name] += 1
         with self.counting(name):
             out = self._settled(kernel(storage_large, rest_large, small, *args, *step_args))
-        if staged is None:
+        if staged is None and not self._step_options.get(step_name, (False,))[0]:
             rest_large, small, *outputs = out
             self._keep(storage_large + tuple(rest_large), small)
         else:
-            large, small, finished, *outputs = out
+            large, small, *outputs = out
             self._keep(large, small)
-            if block is None:
-                self.staging.given(finished)
+            if staged is not None:
+                finished = outputs.pop(0)
+                if block is None:
+                    self.staging.given(finished)
         mirror = self._mirror
         if len(outputs) > self._steps[step_name][1]:  # the deliverable count after this kernel, a device scalar
             reported = outputs.pop()
@@ -445,6 +453,41 @@ class Engine:
         with self.counting(name):
             rest_large, small, *outputs = self._settled(kernel(storage_large, rest_large, small, *args))
         self._keep(storage_large + tuple(rest_large), small)
+        return outputs
+
+    # -- a caller's own steps ------------------------------------------------------------------------------------------
+    def add_step(self, name: str, step, num_outputs: int, *, writes: bool = False, donates: tuple = (),
+                 keeps_status: bool = False) -> None:
+        """Give the engine a pure ``step(state, *args) -> (state', *outputs)`` (``num_outputs`` outputs) that
+        ``call(name, *args)`` runs in the engine's own kernel path: the pending updates, then the staged rows, then
+        the step, in one dispatch (counted in ``dispatches`` and its compilations in ``compiles`` under the kernel's
+        name, e.g. ``"update[8]+ingest[64,packed]+draw"``; one compiled variant per combination of update bucket,
+        staged block and argument shapes, so a steady loop compiles nothing new).
+
+        ``writes``: the step writes storage (its ring is donated and returned; else the step only reads it and it
+        stays in place). ``donates``: positions in ``args`` of arguments the step consumes (donated to the kernel,
+        e.g. an array it returns updated). ``keeps_status``: the step leaves the size, the deliverable count and the
+        limiter's balance as they were, so the host's copy of them stays valid (else it is read from the device again
+        when a host policy or a staged ingest needs it). ConfigError if ``name`` is taken."""
+        if name in self._steps:
+            raise ConfigError(f"add_step(): a step named {name!r} exists already ({sorted(self._steps)} are taken); "
+                              f"give this one another name")
+        if not isinstance(num_outputs, int) or num_outputs < 0:
+            raise ConfigError(f"add_step(): num_outputs must be an int >= 0, got {num_outputs!r}")
+        self._steps[name] = (step, num_outputs)
+        self._step_options[name] = (bool(writes), tuple(int(i) for i in donates), bool(keeps_status))
+
+    def call(self, name: str, *args) -> list:
+        """Run the step ``add_step`` gave as ``name`` on the state with ``args``, after the pending updates and the
+        staged rows, in one kernel; keep the state it returns and return its outputs (a list, computed
+        asynchronously)."""
+        options = self._step_options.get(name)
+        if options is None:
+            raise ConfigError(f"call(): no step named {name!r}; add_step() gives one (given: "
+                              f"{sorted(self._step_options)})")
+        outputs = self._dispatch(name, *args)
+        if not options[2]:
+            self._mirror = None  # the engine cannot tell what the step changed
         return outputs
 
     # -- what the host gives: ingests and priority updates ------------------------------------------------------------

@@ -16,8 +16,8 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from conduit_jax import ExperienceDataPlane, default_mesh, engine, limits, samplers, schedule
-from conduit_jax.errors import CapacityError, ConduitError, RateLimitedError
+from conduit_jax import ExperienceDataPlane, default_mesh, engine, limits, replay, samplers, schedule
+from conduit_jax.errors import CapacityError, ConduitError, ConfigError, RateLimitedError
 
 SPEC = {"obs": jax.ShapeDtypeStruct((3,), jnp.float32), "g": jax.ShapeDtypeStruct((), jnp.int32),
         "version": jax.ShapeDtypeStruct((), jnp.int32), "terminated": jax.ShapeDtypeStruct((), jnp.bool_),
@@ -219,3 +219,74 @@ def test_under_a_prefetching_schedule_the_learners_thread_runs_no_kernel(mesh):
         assert delivered == list(range(8 * 24))
     finally:
         plane.close()
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# a caller's own step (Engine.add_step / Engine.call) rides the same kernel as the updates and staged rows
+# ----------------------------------------------------------------------------------------------------------------------
+def _peek(config):
+    """A step that reads every stored item's ``g`` and returns the sampler's state (its priorities)."""
+    def peek(state, rows):
+        return state, replay.read(config, state, rows)["g"], state.sampler
+    return peek
+
+
+def _cycle(plane, start: int):
+    """A draw, its priority update (pending: nothing is staged), then a staged ingest of 8 items."""
+    drawn = plane.sample()
+    plane.update_priorities(drawn.ids, np.linspace(0.5, 6.0, 8, dtype=np.float32) + start)
+    plane.ingest(batch(start, 8))
+
+
+def test_a_callers_step_sees_every_staged_row_and_pending_update_in_one_dispatch(mesh):
+    eager, staged = (ExperienceDataPlane(SPEC, 64, samplers.prioritized(8, 0.6, 0.4), mesh=mesh, seed=3)
+                     for _ in range(2))
+    rows = np.arange(64, dtype=np.int32)
+    staged.engine.add_step("peek", _peek(staged.config), 2)
+    for plane in (eager, staged):
+        plane.ingest(batch(0, 16))
+    for start in (16, 24, 32):
+        _cycle(eager, start)
+        eager.engine.flush()
+        _cycle(staged, start)
+        assert staged.engine.pending and staged.engine.staging.count == 8
+        before = dict(staged.engine.dispatches)
+        compiles = dict(staged.engine.compiles)
+        g, sampler = staged.engine.call("peek", rows)
+        new = {k: v - before.get(k, 0) for k, v in staged.engine.dispatches.items() if v != before.get(k, 0)}
+        assert len(new) == 1 and list(new.values()) == [1], new  # one dispatch: updates, rows and the step
+        name, = new
+        assert name.startswith("update[") and "+ingest[" in name and name.endswith("+peek"), name
+        if start == 32:  # steady state: the same kernel again, nothing compiled
+            assert staged.engine.compiles == compiles
+        assert not staged.engine.pending and staged.engine.staging.count == 0
+        assert set(np.asarray(g).tolist()) == set(range(start + 8))  # rows not written yet read as zeros
+        expected = jax.tree_util.tree_leaves(eager.engine.state.sampler)
+        for got, want in zip(jax.tree_util.tree_leaves(sampler), expected):
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert staged.engine.kernel_cache_sizes()[name] == 1
+    # the state the steps leave is the eager plane's, and its draws too
+    for a, b in zip(jax.tree_util.tree_leaves(eager.engine.state), jax.tree_util.tree_leaves(staged.engine.state)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    np.testing.assert_array_equal(np.asarray(eager.sample().ids), np.asarray(staged.sample().ids))
+
+
+def test_a_callers_step_may_consume_its_arguments_and_write_storage(mesh):
+    plane = ExperienceDataPlane(SPEC, 64, samplers.uniform(8), mesh=mesh)
+    config = plane.config
+
+    def count_and_write(state, counter, rows):
+        state = replay.ingest(config, state, rows, 8, packed=False)
+        return state, counter + 1
+
+    plane.engine.add_step("count", count_and_write, 1, writes=True, donates=(0,))
+    counter = jax.device_put(jnp.zeros((4,), jnp.int32), NamedSharding(mesh, P()))
+    plane.ingest(batch(0, 8))
+    rows = on_mesh({k: jnp.asarray(v) for k, v in batch(8, 8).items()}, mesh)
+    counter, = plane.engine.call("count", counter, rows)
+    assert counter.tolist() == [1] * 4
+    assert plane.engine.stats()["items_inserted"] == 16  # the staged rows, then the step's own
+    with pytest.raises(ConfigError, match="exists already"):
+        plane.engine.add_step("sample", count_and_write, 1)
+    with pytest.raises(ConfigError, match="no step named 'nothing'"):
+        plane.engine.call("nothing")
