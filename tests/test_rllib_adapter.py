@@ -712,3 +712,18 @@ def test_rllib_schedules_probe_runs_every_path(tmp_path):
     assert summary["overlap"]["stats"]["drawn_ahead_after_update"] == 2 * 4  # 4 rounds of 2 updates, warm-up included
     assert summary["deferred"]["stats"]["drawn_ahead_after_sample"] == 2 * 4
     assert out.is_file()
+
+
+@pytest.mark.parametrize("cls", ["ConduitEpisodeReplayBuffer", "ConduitPrioritizedEpisodeReplayBuffer"])
+def test_config_keys_named_like_the_classes_own_arguments_are_ignored_as_unknown(cls, caplog):
+    """``prioritized``, ``redraws``, ``label``, ``ring_advice``, ``adaptive_rule`` are set by the class: from RLlib's
+    ``replay_buffer_config`` they are unknown keys (warned about, ignored), never the store's arguments."""
+    buffer_class = getattr(conduit_rllib, cls)
+    with caplog.at_level("WARNING", logger="conduit_rllib.buffers"):
+        buffer = buffer_class(capacity=16, prioritized="yes", redraws=False, label="mine", ring_advice="no",
+                              adaptive_rule=None, colour="red")
+    assert "ignoring unknown replay_buffer_config keys ['adaptive_rule', 'colour', 'label', 'prioritized', " \
+           "'redraws', 'ring_advice']" in caplog.text
+    assert buffer._label == cls and buffer._adaptive_rule is conduit_rllib.buffers.adaptive_choice
+    assert buffer._prioritized == (cls == "ConduitPrioritizedEpisodeReplayBuffer")
+    assert buffer._redraws == buffer._prioritized

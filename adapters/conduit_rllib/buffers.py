@@ -105,7 +105,7 @@ from conduit_rllib.episode_index import EXACT, StoredEpisode
 from conduit_rllib.multi_agent import (MULTI_AGENT_STATE_FORMAT, AgentSteps, MultiAgentStore,
                                        StoredMultiAgentEpisode)
 from conduit_rllib.store import (ADAPTIVE_RETRY_AFTER, ADAPTIVE_WAIT_SHARE, PRIORITY_FLOOR, SCHEDULES, STATE_FORMAT,
-                                 STATE_VERSION, STORAGE_FACTOR, EpisodeStore, adaptive_choice)
+                                 STATE_VERSION, STORAGE_FACTOR, CLASS_ARGUMENTS, EpisodeStore, adaptive_choice)
 
 __all__ = [
     "ADAPTIVE_RETRY_AFTER", "ADAPTIVE_WAIT_SHARE", "EXACT", "MOST_CANDIDATES", "MULTI_AGENT_STATE_FORMAT",
@@ -116,12 +116,20 @@ __all__ = [
 ]
 
 
+def _from_config(kwargs: dict) -> dict:
+    """A single-agent class's ``replay_buffer_config`` for its store: a key named like an argument the class sets
+    (``CLASS_ARGUMENTS``) never reaches it; the store ignores it with the unknown keys' warning."""
+    return {"config_ignored": tuple(sorted(k for k in kwargs if k in CLASS_ARGUMENTS)),
+            **{k: v for k, v in kwargs.items() if k not in CLASS_ARGUMENTS}}
+
+
 # Each class hands its store(s) the "adaptive" schedule's rule as this module holds it when a buffer is built.
 class ConduitEpisodeReplayBuffer(EpisodeStore, EpisodeReplayBuffer):
     """Uniform replay (RLlib's ``EpisodeReplayBuffer``) in Conduit's functional core; ``weights`` are all 1."""
 
     def __init__(self, capacity: int = 10000, **kwargs):
-        super().__init__(capacity, prioritized=False, redraws=False, adaptive_rule=adaptive_choice, **kwargs)
+        super().__init__(capacity, prioritized=False, redraws=False, adaptive_rule=adaptive_choice,
+                         **_from_config(kwargs))
 
 
 class ConduitPrioritizedEpisodeReplayBuffer(EpisodeStore, PrioritizedEpisodeReplayBuffer):
@@ -129,7 +137,8 @@ class ConduitPrioritizedEpisodeReplayBuffer(EpisodeStore, PrioritizedEpisodeRepl
     stratified draws, new steps at the max priority, importance weights normalised by the smallest probability."""
 
     def __init__(self, capacity: int = 10000, **kwargs):
-        super().__init__(capacity, prioritized=True, redraws=True, adaptive_rule=adaptive_choice, **kwargs)
+        super().__init__(capacity, prioritized=True, redraws=True, adaptive_rule=adaptive_choice,
+                         **_from_config(kwargs))
 
 
 class ConduitMultiAgentEpisodeReplayBuffer(MultiAgentStore, MultiAgentEpisodeReplayBuffer):

@@ -45,6 +45,8 @@ STORAGE_FACTOR = 2  # the ring holds this many times `capacity` steps (see the m
 PRIORITY_FLOOR = 1e-12  # RLlib's smallest priority
 RING_ADVICE = "the ring holds {factor} x capacity={capacity} steps: raise capacity"
 _KNOWN_KWARGS = {"type", "metrics_num_episodes_for_smoothing"}
+# the store's arguments that the buffer classes set: a replay_buffer_config key so named is unknown to RLlib's config
+CLASS_ARGUMENTS = ("prioritized", "redraws", "label", "ring_advice", "adaptive_rule", "config_ignored")
 SCHEDULES = ("sync", "overlap", "deferred", "adaptive")
 ADAPTIVE_WAIT_SHARE = 0.1  # adaptive: overlap gives way once sample() waits more than this share of a learner update
 ADAPTIVE_RETRY_AFTER = 32  # adaptive: overlap is tried again after this many batches drawn the deferred way
@@ -85,19 +87,21 @@ class EpisodeStore:
     prioritized and multi-agent buffers do); ``label`` names the store in messages (default: its class name);
     ``ring_advice`` is what an add refused for want of ring space tells the user to change (``{factor}``,
     ``{capacity}`` and ``{storage_capacity}`` are filled in); ``adaptive_rule`` is the ``"adaptive"`` schedule's rule
-    (``adaptive_choice``'s arguments and result)."""
+    (``adaptive_choice``'s arguments and result); ``config_ignored``: keys of RLlib's config that a buffer class set
+    aside because they name one of these (``CLASS_ARGUMENTS``), ignored with a warning as any unknown key."""
 
     def __init__(self, capacity: int = 10000, *, batch_size_B: int = 16, batch_length_T: int = 1,
                  metrics_num_episodes_for_smoothing: int = 100, n_step: int = 1, alpha: float = 1.0,
                  beta: float = 0.0, num_shards: int = 1, seed: int = 0, deliver: str = "episodes",
                  schedule: str = "sync", prioritized: bool = False, redraws: bool = False,
                  label: Optional[str] = None, ring_advice: str = RING_ADVICE,
-                 adaptive_rule: Callable[[str, float, float, int], str] = adaptive_choice, **kwargs):
+                 adaptive_rule: Callable[[str, float, float, int], str] = adaptive_choice,
+                 config_ignored: tuple = (), **kwargs):
         # RLlib's parent constructors are not run on purpose (they allocate the Python episode deque and, for PER,
         # segment trees of 2 * capacity nodes); set what RLlib code reads from a buffer
         self._prioritized, self._redraws, self._adaptive_rule = bool(prioritized), bool(redraws), adaptive_rule
         self._label = name = label or type(self).__name__
-        unknown = set(kwargs) - _KNOWN_KWARGS
+        unknown = set(kwargs) - _KNOWN_KWARGS | set(config_ignored)
         if unknown:
             logger.warning("%s: ignoring unknown replay_buffer_config keys %s", name, sorted(unknown))
         if not isinstance(capacity, (int, np.integer)) or isinstance(capacity, bool) or capacity < 1:
