@@ -183,12 +183,17 @@ class Engine:
     ``staging.staging_rows``; the caller checks a given one with ``staging.checked_rows``).
     ``update_headroom``: the first batch of pending updates is padded to this multiple of its size (see
     ``_take_updates``). ``pending``: the deque ``pend`` appends to (an engine that replaces another on the same
-    buffer takes over its deque, so an update given while they are swapped is not lost).
+    buffer takes over its deque, so an update given while they are swapped is not lost). ``kernels``: the compiled
+    kernels' cache (default: the engine's own); engines of one configuration whose steps of one name are one function
+    (``add_step``) may share one, so the second compiles nothing. ``mirror_status``: keep the host's copy of the status
+    scalars a host policy decides on (``known``); without it a staged ingest reads nothing from the device first (a
+    caller that asks no ``known`` question, e.g. a framework adapter that keeps its own counts).
     """
 
     def __init__(self, config: ReplayConfig, shardings, seed: Optional[int] = 0, *,
                  staging_rows: Optional[int] = None, update_headroom: int = 1,
-                 pending: Optional[collections.deque] = None):
+                 pending: Optional[collections.deque] = None, kernels: Optional[dict] = None,
+                 mirror_status: bool = True):
         self.config, self.shardings = config, shardings
         self.abstract = abstract = jax.eval_shape(functools.partial(replay.init, config, 0))
         self.bundle = bundle = LeafBundle(abstract, shardings)
@@ -208,7 +213,8 @@ class Engine:
         self.compiles: collections.Counter = collections.Counter()  # kernel name -> XLA compilations
         self.dispatches: collections.Counter = collections.Counter()  # kernel name -> calls (status reads apart)
         # (step, update rows, (staged rows, host-packed) or None, recycles) -> (compiled kernel, its name)
-        self._kernels: dict[tuple, Any] = {}
+        self._kernels: dict[tuple, Any] = {} if kernels is None else kernels
+        self._mirrors = bool(mirror_status)
         self._steps = {"": (lambda state: (state,), 0),
                        "sample": (functools.partial(replay.sample, config), 1),
                        "version": (lambda state, version: (replay.set_policy_version(config, state, version),), 0)}
@@ -253,7 +259,12 @@ class Engine:
         ``delivery``: compiled with the delivery kernels' XLA options (``runtime.delivery_compiler_options``).
         ``donates``: positions in ``args`` (after the recycled output, if any) of arguments donated too."""
         storage_large = 0 if writes else self._storage_large
-        joined, split = self._joined, self.bundle.split
+        bundle, shardings = self.bundle, self.shardings  # not self: a kernel cache shared by engines keeps no state
+
+        def joined(storage_leaves, rest_leaves, small):
+            return computable(bundle.join(tuple(storage_leaves) + tuple(rest_leaves), small), shardings)
+
+        split = bundle.split
 
         def kernel(storage_leaves, rest_leaves, small, *args):
             new_state, *outputs = step(joined(storage_leaves, rest_leaves, small), *args[1:] if recycles else args)
@@ -501,7 +512,7 @@ class Engine:
         after the staged rows."""
         leaves = jax.tree_util.tree_leaves(batch)
         config = self.config
-        if staged and self._mirror is None:
+        if staged and self._mirror is None and self._mirrors:
             self.known()  # the status before these items, read now: a read later would write them first
         rows = padded_rows(n, config.num_shards, config.shard_capacity)
         if n == rows and n <= config.capacity and all(
@@ -588,7 +599,10 @@ class Engine:
             self.flush()  # its kernel reports the count
         if not self.knows(need_deliverable):
             status = self.status()
-            self._mirror = {key: status[key] for key in ("size", "deliverable", "limiter_balance")}
+            known = {key: status[key] for key in ("size", "deliverable", "limiter_balance")}
+            if not self._mirrors:
+                return known
+            self._mirror = known
         if need_deliverable and isinstance(self._mirror["deliverable"], jax.Array):
             self._mirror["deliverable"] = int(self._mirror["deliverable"])
         return self._mirror

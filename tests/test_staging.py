@@ -290,3 +290,20 @@ def test_a_callers_step_may_consume_its_arguments_and_write_storage(mesh):
         plane.engine.add_step("sample", count_and_write, 1)
     with pytest.raises(ConfigError, match="no step named 'nothing'"):
         plane.engine.call("nothing")
+
+
+def test_engines_of_one_configuration_may_share_their_kernels_and_keep_no_status_copy(mesh):
+    """``kernels=``: a second engine with the same steps compiles nothing; ``mirror_status=False``: a staged ingest
+    reads no status from the device first (no kernel at all until the call)."""
+    plane = ExperienceDataPlane(SPEC, 64, samplers.prioritized(8, 0.6, 0.4), mesh=mesh)
+    cache: dict = {}
+    engines = [engine.Engine(plane.config, plane.engine.shardings, seed, kernels=cache, mirror_status=False)
+               for seed in (0, 1)]
+    rows = np.arange(64, dtype=np.int32)
+    for one in engines:
+        one.add_step("peek", _peek(plane.config), 2)
+        one.ingest(batch(0, 8), 8, staged=True)
+        assert not one.dispatches
+        g, _ = one.call("peek", rows)
+        assert set(np.asarray(g).tolist()) == set(range(8)) and sum(one.dispatches.values()) == 1
+    assert sum(engines[0].compiles.values()) > 0 and sum(engines[1].compiles.values()) == 0

@@ -2,13 +2,13 @@
 ``ReplayState``) and the links (int32[3, ring]: for each stored step the ring row of the next step of its episode (-1:
 none stored yet), of the previous one (-1: the episode's first) and of its episode's first stored step).
 
-Each ``make_*`` closes over static arguments and returns the pure step a store compiles (``engine.compiled``, the
-state donated) and keeps per layout and static arguments; ``buffer_for(batch)`` is the store's functional buffer
-drawing ``batch`` items.
+Each ``make_*`` closes over static arguments and returns the pure step a store gives its core engine
+(``Engine.add_step``: run after the pending priority updates and the staged rows, in one kernel) per layout and static
+arguments; ``buffer_for(batch)`` is the store's functional buffer drawing ``batch`` items.
 
-* ``make_draw``: n-step transitions, PER's redraw and importance weights; ``make_update_draw``: a priority update and
-  the draw after it in one kernel; ``make_sequences``: RLlib's ``[B, T]`` batch; ``make_slices``: the rows of
-  episode slices; ``link``: an add's links.
+* ``make_draw``: n-step transitions, PER's redraw and importance weights; ``make_update_draw``: a priority update
+  and the draw after it in one kernel; ``make_sequences``: RLlib's ``[B, T]`` batch; ``make_slices``: the rows of
+  episode slices; ``link``: an add's links; ``with_adds``: a step after the adds' links and retirements.
 * On the host: ``candidate_count`` (how many steps PER's redraw draws), ``joined`` (one batch from several draws),
   ``exact_values`` (float64 columns back bit for bit), ``to_host``.
 
@@ -112,12 +112,26 @@ def link(links, full, patch):
     return links.at[0, patch[0]].set(patch[1], mode="drop")
 
 
+def with_adds(buffer, step):
+    """``step(state, links, *args) -> (state, *outputs)`` after the adds given since the last kernel: their links
+    (``link``: ``full``, ``patch``) and the retirement of the steps they evicted (``retire``: ids, -1 rows are
+    padding), in the order one add did them (written, linked, retired; the engine writes the staged rows first).
+    The links come out too (donated in, updated)."""
+
+    def stepped(state, links, full, patch, retire, *args):
+        links = link(links, full, patch)
+        state, *outputs = step(buffer.retire(state, retire), links, *args)
+        return (state, links, *outputs)
+
+    return stepped
+
+
 def make_update_draw(update, draw):
     """A priority update (the functional buffer's ``update``) and the ``draw`` after it in one kernel (overlap: one
-    dispatch per ``update_priorities``)."""
+    dispatch per ``update_priorities``, after the adds given before it)."""
 
-    def update_draw(state, ids, values, *draw_args):
-        return draw(update(state, ids, values), *draw_args)
+    def update_draw(state, links, ids, values, *draw_args):
+        return draw(update(state, ids, values), links, *draw_args)
 
     return update_draw
 

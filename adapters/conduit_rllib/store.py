@@ -2,10 +2,13 @@
 functional core. A single-agent buffer is a store plus RLlib's base class (``buffers.py``); a multi-agent buffer keeps
 a store per module (``multi_agent.py``).
 
-A store holds the functional buffer's state, the links of its steps and the host ``EpisodeIndex``, compiles its
-kernels with ``engine.compiled`` (one per layout and static arguments, shared by stores configured alike in a
-process), and does what RLlib's buffer contract asks: add, sample (under a schedule), update priorities, counts,
-metrics and state.
+A store keeps the functional buffer's state in a core ``engine.Engine``, the links of its steps beside it and the
+host ``EpisodeIndex``, and does what RLlib's buffer contract asks: add, sample (under a schedule), update priorities,
+counts, metrics and state. An add dispatches no kernel: its rows are staged (``Engine.ingest(..., staged=True)``: a
+host copy), its links and the retirement of the steps it evicts wait on the host, and the next kernel that runs
+anyway (a draw) writes them all before it draws, in one dispatch: the draws are engine steps (``Engine.add_step`` /
+``Engine.call``), compiled once per layout and static arguments and shared by stores configured alike in a process.
+Priority updates wait in the engine (``Engine.pend``) for the next kernel too.
 
 How: steps are items of a Conduit buffer (``samplers.prioritized``; ``alpha=0`` for the uniform class) in a ring of
 ``2 * capacity`` steps, so the steps RLlib keeps are always stored while evicted ones wait to be overwritten
@@ -51,7 +54,7 @@ SCHEDULES = ("sync", "overlap", "deferred", "adaptive")
 ADAPTIVE_WAIT_SHARE = 0.1  # adaptive: overlap gives way once sample() waits more than this share of a learner update
 ADAPTIVE_RETRY_AFTER = 32  # adaptive: overlap is tried again after this many batches drawn the deferred way
 _BUFFERS: dict = {}  # (layout, sampler batch size) -> functional Buffer; the state is each buffer's own
-_KERNELS: dict = {}  # (layout, kind, static arguments) -> compiled kernel
+_KERNELS: dict = {}  # layout -> the compiled kernels of its stores' engines (one cache, shared)
 
 
 def adaptive_choice(current: str, waited_s: float, learner_s: float, deferred_batches: int) -> str:
@@ -65,18 +68,6 @@ def adaptive_choice(current: str, waited_s: float, learner_s: float, deferred_ba
     if current == "overlap":
         return "deferred" if waited_s > ADAPTIVE_WAIT_SHARE * learner_s else "overlap"
     return "overlap" if deferred_batches >= ADAPTIVE_RETRY_AFTER else "deferred"
-
-
-def pieces(n: int):
-    """(start, size) pieces of powers of two covering n rows: each size compiles one ingest kernel, ever. An ingest
-    is split, not padded to one power of two: ``Buffer.ingest`` stores every row it is given (each takes an insertion
-    index), so a padding row would be stored as a step."""
-    start, bit = 0, 1 << max(n.bit_length() - 1, 0)
-    while bit:
-        if n & bit:
-            yield start, bit
-            start += bit
-        bit >>= 1
 
 
 class EpisodeStore:
@@ -146,8 +137,11 @@ class EpisodeStore:
         self._draws = 0  # sample kernels run (each one's candidate pick uses its own random key)
         self._spec: Optional[ExperienceSpec] = None
         self._keys: dict = {}  # extra_model_outputs / infos column -> the key it stores
-        self._state = None
+        self._engine: Optional[engine.Engine] = None  # the core's state and kernels (see the module docstring)
+        self._given: set = set()  # steps given to this engine (add_step)
         self._links = None  # int32[3, ring]: see draws.py
+        self._adds: list = []  # (full, patch) of draws.link for each add whose links no kernel has written yet
+        self._retiring: list = []  # int32[k, 2]: ids of evicted steps no kernel has retired yet
         self._last_ids = None
         self._last_request: Optional[Request] = None
         self._prefetched: Optional[Drawn] = None  # the next batch, drawn ahead (schedule overlap / deferred)
@@ -183,36 +177,60 @@ class EpisodeStore:
         compiled code), within one process."""
         return (self._prioritized, self.alpha, self.storage_capacity, self.num_shards, spec or self._spec)
 
-    def _start(self, spec: ExperienceSpec) -> None:
+    def _start(self, spec: ExperienceSpec, state=None) -> None:
+        """An engine over an empty state (or ``state``, checked by the engine) and empty links for ``spec``."""
         self._spec = spec
         buffer = self._buffer(self.num_shards)
-        self._state = buffer.init(self.seed)
+        self._engine = engine.Engine(buffer.config, buffer.shardings, self.seed if state is None else None,
+                                     kernels=_KERNELS.setdefault(self._layout(), {}), mirror_status=False)
+        if state is not None:
+            self._engine.state = state
+        self._given = set()
         self._links = jnp.full((3, self.storage_capacity), -1, jnp.int32)
 
-    def _kernel(self, kind: str, *static):
-        """The compiled kernel ``kind`` (``rllib_<kind>`` in ``engine.COMPILES``) for this layout and ``static``."""
-        key = (self._layout(), kind) + static
-        if key not in _KERNELS:
-            _KERNELS[key] = engine.compiled(self._step(kind, static), f"rllib_{kind}", donate_argnums=0)
-        return _KERNELS[key]
+    _OUTPUTS = {"settle": 0, "draw": 4, "update_draw": 4, "sequences": 1, "slices": 4}  # outputs after the links
+
+    def _call(self, kind: str, static: tuple, *args) -> list:
+        """Run step ``kind`` for ``static`` in the engine's kernel: the pending priority updates, the staged rows,
+        the adds' links and retirements (``draws.with_adds``), then the step; returns the step's outputs."""
+        name = f"rllib_{kind}{list(static)}"
+        if name not in self._given:
+            step = (lambda state, links: (state,)) if kind == "settle" else self._step(kind, static)
+            self._engine.add_step(name, draws.with_adds(self._buffer(self.num_shards), step),
+                                  1 + self._OUTPUTS[kind], donates=(0,))
+            self._given.add(name)
+        self._links, *outputs = self._engine.call(name, self._links, *self._waiting_adds(), *args)
+        return outputs
 
     def _step(self, kind: str, static: tuple):
-        """The pure function over the core's state (donated) that kernel ``kind`` compiles."""
-        buffer = self._buffer(self.num_shards)
-        if kind == "ingest":
-            return buffer.ingest
-        if kind == "retire":
-            return buffer.retire
-        if kind == "update":
-            return buffer.update
-        if kind == "link":
-            return draws.link
-        if kind == "update_draw":
-            return draws.make_update_draw(buffer.update, self._kernel("draw", *static))
-        if kind == "draw":
-            return draws.make_draw(self._buffer, self._spec.names, self._prioritized, *static)
+        """The pure draw ``kind`` over the core's state and the links (``draws.py``)."""
+        if kind in ("draw", "update_draw"):
+            draw = draws.make_draw(self._buffer, self._spec.names, self._prioritized, *static)
+            return draws.make_update_draw(self._buffer(self.num_shards).update, draw) if kind == "update_draw" else draw
         make = {"sequences": draws.make_sequences, "slices": draws.make_slices}[kind]
         return make(self._buffer, self._spec.names, *static)
+
+    def _waiting_adds(self) -> tuple:
+        """The links and retirements of the adds since the last kernel as ``draws.with_adds``' arguments, taken:
+        padded to powers of two with rows past the ring (links, dropped) and -1 ids (retire, ignored)."""
+        ring, adds, gone = self.storage_capacity, self._adds, self._retiring
+        self._adds, self._retiring = [], []
+        out = []
+        for blocks, fill in (([f for f, _ in adds], (ring, -1, -1, -1)), ([p for _, p in adds], (ring, -1)),
+                             ([ids.T for ids in gone], (-1, -1))):
+            width = sum(block.shape[1] for block in blocks)
+            padded = np.tile(np.asarray(fill, np.int32)[:, None], (1, compile_size(width)))
+            if blocks:
+                np.concatenate(blocks, axis=1, out=padded[:, :width])
+            out.append(padded)
+        return out[0], out[1], out[2].T
+
+    def _settle(self) -> None:
+        """Write everything given so far into the state: one kernel, when anything waits."""
+        if self._adds or self._retiring:
+            self._call("settle", ())
+        elif self._engine is not None:
+            self._engine.flush()
 
     # -- add ------------------------------------------------------------------------------------------------------
     def add(self, episodes: Union[list, SingleAgentEpisode]) -> None:
@@ -246,18 +264,20 @@ class EpisodeStore:
                              spaces=chunks[0].spaces if chunks else (None, None))
 
     def commit(self, plan: AddPlan) -> None:
-        """Apply a prepared add: write, link, retire the evicted steps, then the host index."""
+        """Apply a prepared add: stage its rows, keep its links and the evicted steps' retirement for the next
+        kernel (no kernel runs here), then the host index."""
         if self._spec is None and plan.spec is not None:
             self._start(plan.spec)
             self._keys = plan.keys
         written, rows = plan.written, None
         if written:
             batch = {key: np.concatenate([chunk.columns[key] for chunk in written]) for key in self._spec.names}
-            ingest = self._kernel("ingest")
-            for first, count in pieces(plan.item - self._index.items):
-                self._state = ingest(self._state, {k: v[first:first + count] for k, v in batch.items()})
+            count = plan.item - self._index.items
+            if sum(f.shape[1] for f, _ in self._adds) + count > self.storage_capacity:
+                self._settle()  # the waiting links would name a ring row twice (one scatter): written first
+            self._engine.ingest(batch, count, staged=True)
             full, patch = self._link_rows(np.concatenate(plan.rows, axis=1), plan.patches)
-            self._links = self._kernel("link")(self._links, full, patch)
+            self._adds.append((full, patch))
             rows = full[0][full[0] < self.storage_capacity]
         gone = [record.items() for record in plan.evicted if record.segments]
         if gone:
@@ -267,8 +287,7 @@ class EpisodeStore:
                 drawn = np.asarray(self._prefetched.ids).astype(np.int64)
                 if np.isin(drawn[:, 0] << 32 | drawn[:, 1], ids[:, 0].astype(np.int64) << 32 | ids[:, 1]).any():
                     self._prefetched = None
-            ids = np.concatenate([ids, np.full((compile_size(ids.shape[0]) - ids.shape[0], 2), -1, np.int32)])
-            self._state = self._kernel("retire")(self._state, ids)
+            self._retiring.append(ids)
         self._index.apply(plan, rows)
         if self.observation_space is None:
             self.observation_space, self.action_space = plan.spaces
@@ -281,16 +300,12 @@ class EpisodeStore:
         return np.where(items >= 0, self._ids(np.maximum(items, 0))[:, 0], -1).astype(np.int32)
 
     def _link_rows(self, written: np.ndarray, patches: list):
-        """The link kernel's arguments: for each written step [item, next, previous, episode's first] as rows, and
-        the (row, next row) of each episode's last stored step that a new chunk continues; padded to powers of two
-        with rows past the ring (dropped)."""
-        steps = written.shape[1]
+        """``draws.link``'s arguments for an add (unpadded): for each written step [item, next, previous, episode's
+        first] as rows, and the (row, next row) of each episode's last stored step that a new chunk continues."""
         patch_items = np.asarray(patches, np.int64).reshape(-1, 2).T
         rows = self._rows(np.concatenate([written.reshape(-1), patch_items.reshape(-1)]))  # one id lookup
-        full = np.full((written.shape[0], compile_size(steps)), -1, np.int32)
-        full[:, :steps] = rows[:written.size].reshape(written.shape)
-        patch = np.full((2, compile_size(max(patch_items.shape[1], 1))), -1, np.int32)
-        patch[:, :patch_items.shape[1]] = rows[written.size:].reshape(patch_items.shape)
+        full = rows[:written.size].reshape(written.shape)
+        patch = rows[written.size:].reshape(patch_items.shape)
         for block in (full, patch):
             block[0] = np.where(block[0] >= 0, block[0], self.storage_capacity)
         return full, patch
@@ -411,8 +426,7 @@ class EpisodeStore:
         if self._index.num_timesteps == 0:
             raise ValueError(f"{name}.sample(): the buffer is empty; add() episodes first")
         padded = size + (-size) % self.num_shards
-        self._state, out = self._kernel("sequences", padded, int(length))(self._state, self._links,
-                                                                          np.uint32(self.seed), np.uint32(self._draws))
+        out, = self._call("sequences", (padded, int(length)), np.uint32(self.seed), np.uint32(self._draws))
         self._draws += 1
         out = exact_values({k: v[:size] for k, v in to_host(out).items()}, 0.0)
         self.sampled_timesteps += size * length
@@ -439,12 +453,11 @@ class EpisodeStore:
                              f"{max(record.length for record in self._index.order)}); add longer episodes")
         candidates = -(-size // 2)  # a slice counts >= 2 towards size
         candidates += (-candidates) % self.num_shards
-        kernel = self._kernel("slices", candidates, int(lookback), int(length))
+        static = (candidates, int(lookback), int(length))
         spaces = (self.observation_space, self.action_space)
         out, counted, steps_seen, episodes_seen = [], 0, set(), set()
         while counted < size:
-            self._state, rows, valid, data, end = kernel(self._state, self._links, np.uint32(self.seed),
-                                                         np.uint32(self._draws))
+            rows, valid, data, end = self._call("slices", static, np.uint32(self.seed), np.uint32(self._draws))
             self._draws += 1
             rows, valid, data, end = to_host((rows, valid, data, end))
             if not valid:
@@ -467,9 +480,10 @@ class EpisodeStore:
         self.timings["sample"] += time.perf_counter() - start
         return out
 
-    def _draw(self, request: Request, update: Optional[tuple] = None) -> Drawn:
+    def _draw(self, request: Request, update: tuple = ()) -> Drawn:
         """Dispatch one draw kernel for ``request`` (JAX runs it asynchronously; reading a result waits for it),
-        after the priority update ``(ids, values)`` when one is given (in the same kernel)."""
+        after the pending priority updates, the adds given since the last kernel and then the priority update
+        ``(ids, values)`` when one is given (all in the same kernel)."""
         padded = request.size + (-request.size) % self.num_shards  # a multiple of the shard count
         low, high = request.n_range
         redraw = self._redraws and high > 1
@@ -480,13 +494,10 @@ class EpisodeStore:
         static = (candidates, padded, compile_size(high), redraw)
         n = self.rng.integers(low, high + 1, size=candidates, dtype=np.int32) if low < high else \
             np.full(candidates, low, np.int32)
-        args = (self._links, n, np.float32(request.beta), np.float32(request.gamma), np.uint32(self.seed),
-                np.uint32(self._draws))
-        if update is None:
-            self._state, columns, ids, enough, fitting = self._kernel("draw", *static)(self._state, *args)
-        else:
-            self._state, columns, ids, enough, fitting = self._kernel("update_draw", *static)(self._state, *update,
-                                                                                              *args)
+        columns, ids, enough, fitting = self._call("update_draw" if update else "draw", static, *update, n,
+                                                   np.float32(request.beta),
+                                                   np.float32(request.gamma), np.uint32(self.seed),
+                                                   np.uint32(self._draws))
         self._draws += 1
         if padded != request.size:
             columns, ids = {k: v[:request.size] for k, v in columns.items()}, ids[:request.size]
@@ -550,12 +561,23 @@ class EpisodeStore:
             learner = start - self._handed_at
             self._learner_s = 0.9 * self._learner_s + 0.1 * learner if self._learner_s else learner
             self._handed_at = None
-        if self._ahead == "overlap" and self._last_request is not None:
-            # the next batch, drawn after this update in the same kernel; runs during the env rollout
-            self._prefetched = self._draw(self._last_request, update=(self._last_ids, values))
-            self._ahead_counts["after_update"] += 1
+        # RLlib's order: an add made before this update is in the buffer first (its new steps take the largest
+        # priority seen before the update), while the engine applies pending updates before staged rows; so after
+        # an add the update rides the next draw as its step's argument, or the add is written first
+        added = bool(self._adds or self._retiring or self._engine.staging.count)
+        overlap = self._ahead == "overlap" and self._last_request is not None
+        if added and overlap:
+            update = (self._last_ids, values)
         else:
-            self._state = self._kernel("update")(self._state, self._last_ids, values)
+            if added:
+                self._settle()
+            ids = np.asarray(self._last_ids)
+            named = (ids[:, 0] >= 0) & (ids[:, 1] >= 1)  # a refused draw's -1 ids name no step (skipped, as there)
+            self._engine.pend((ids[named].astype(np.int32), values[named]))  # the next kernel applies it first
+            update = ()
+        if overlap:  # the next batch, drawn after this update in the same kernel; runs during the env rollout
+            self._prefetched = self._draw(self._last_request, update)
+            self._ahead_counts["after_update"] += 1
         self._last_ids = None
         self.timings["update_priorities"] += time.perf_counter() - start
 
@@ -588,7 +610,8 @@ class EpisodeStore:
         right after a ``sample()`` (``drawn_ahead_after_sample``: deferred, uniform overlap), and how many of them
         ``sample()`` had to wait for (``drawn_ahead_waited``); ``sample_kernels``: draw kernels run (one per batch,
         more when PER's redraw found too few fitting windows or a batch drawn ahead was for another request)."""
-        ignored = 0 if self._state is None else int(self._state.sampler.ignored_updates)
+        self._settle()
+        ignored = 0 if self._engine is None else int(self._engine.state.sampler.ignored_updates)
         return {"steps_written": self._index.items, "storage_capacity": self.storage_capacity,
                 "priority_updates_ignored": ignored, "sample_kernels": self._draws,
                 **{f"drawn_ahead_{where}": count for where, count in self._ahead_counts.items()}}
@@ -613,7 +636,8 @@ class EpisodeStore:
         spec = self._spec
         state["spec"] = {"names": list(spec.names), "shapes": [list(s) for s in spec.shapes],
                          "dtypes": [str(d) for d in spec.dtypes], "keys": [[k, v] for k, v in self._keys.items()]}
-        leaves = jax.tree_util.tree_flatten_with_path(self._state)[0]
+        self._settle()  # staged rows, pending updates, links and retirements: in the state first
+        leaves = jax.tree_util.tree_flatten_with_path(self._engine.state)[0]
         state["arrays"] = {jax.tree_util.keystr(path): np.array(leaf) for path, leaf in leaves}
         state["arrays"]["links"] = np.array(self._links)
         return state
@@ -662,7 +686,8 @@ class EpisodeStore:
         self._reset()
         if spec is not None:
             self._spec, self._keys = spec, {k: v for k, v in state["spec"]["keys"]}
-            self._state, self._links = restored, jnp.asarray(links.astype(np.int32))
+            self._start(spec, restored)
+            self._links = jnp.asarray(links.astype(np.int32))
         self.sampled_timesteps = int(counters["sampled_timesteps"])
         self._draws = int(counters["draws"])
         self._fit_share = {(int(low), int(high)): float(share) for low, high, share in counters.get("fit_share", [])}
