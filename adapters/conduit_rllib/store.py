@@ -211,17 +211,22 @@ class EpisodeStore:
         return make(self._buffer, self._spec.names, *static)
 
     def _waiting_adds(self) -> tuple:
-        """The links and retirements of the adds since the last kernel as ``draws.with_adds``' arguments, taken:
-        padded to powers of two with rows past the ring (links, dropped) and -1 ids (retire, ignored)."""
+        """The links and retirements of the adds since the last kernel as ``draws.with_adds``' arguments, taken: the
+        three blocks padded to the staged block's rows for the widest (``engine.staged_rows``; past a ring
+        ``compile_size``), with rows past the ring (links, dropped) and -1 ids (retire, ignored). The written steps'
+        links are as many as the staged rows, patches and retirements mostly fewer: one variant per staged bucket."""
         ring, adds, gone = self.storage_capacity, self._adds, self._retiring
         self._adds, self._retiring = [], []
+        blocks = (([f for f, _ in adds], (ring, -1, -1, -1)), ([p for _, p in adds], (ring, -1)),
+                  ([ids.T for ids in gone], (-1, -1)))
+        widths = [sum(block.shape[1] for block in parts) for parts, _ in blocks]
+        size = engine.staged_rows(max(widths), self.num_shards, self._engine.config.shard_capacity)
+        size = size if size >= max(widths) else compile_size(max(widths))  # retirements of more than a ring
         out = []
-        for blocks, fill in (([f for f, _ in adds], (ring, -1, -1, -1)), ([p for _, p in adds], (ring, -1)),
-                             ([ids.T for ids in gone], (-1, -1))):
-            width = sum(block.shape[1] for block in blocks)
-            padded = np.tile(np.asarray(fill, np.int32)[:, None], (1, compile_size(width)))
-            if blocks:
-                np.concatenate(blocks, axis=1, out=padded[:, :width])
+        for (parts, fill), width in zip(blocks, widths):
+            padded = np.tile(np.asarray(fill, np.int32)[:, None], (1, size))
+            if parts:
+                np.concatenate(parts, axis=1, out=padded[:, :width])
             out.append(padded)
         return out[0], out[1], out[2].T
 
