@@ -219,7 +219,8 @@ class Engine:
                        "sample": (functools.partial(replay.sample, config), 1),
                        "version": (lambda state, version: (replay.set_policy_version(config, state, version),), 0)}
         self._step_options: dict[str, tuple] = {}  # a caller's step (add_step) -> (writes, donates, keeps_status)
-        self._status_kernel = jax.jit(lambda *form: replay.status(config, self._joined(*form)))
+        joined = _joiner(bundle, shardings)
+        self._status_kernel = jax.jit(lambda *form: replay.status(config, joined(*form)))
         rows = staging.staging_rows(config.layout, config.capacity, config.num_shards) if staging_rows is None \
             else staging_rows
         self.staging = staging.StagingArea(config.layout, rows,
@@ -242,10 +243,6 @@ class Engine:
         self._mirror: Optional[dict[str, Any]] = None
 
     # -- kernels ----------------------------------------------------------------------------------------------------
-    def _joined(self, storage_leaves, rest_leaves, small):
-        """Inside a kernel: the state from its bundled form, every leaf computable (see ``computable``)."""
-        return computable(self.bundle.join(tuple(storage_leaves) + tuple(rest_leaves), small), self.shardings)
-
     def reading_kernel(self, step, num_outputs: int, recycles: bool = False, delivery: bool = False,
                        writes: bool = False, donates: tuple = ()):
         """Jit ``step(state, *args) -> (state', *outputs)`` over the state's bundled form. For a step that only reads
@@ -259,12 +256,8 @@ class Engine:
         ``delivery``: compiled with the delivery kernels' XLA options (``runtime.delivery_compiler_options``).
         ``donates``: positions in ``args`` (after the recycled output, if any) of arguments donated too."""
         storage_large = 0 if writes else self._storage_large
-        bundle, shardings = self.bundle, self.shardings  # not self: a kernel cache shared by engines keeps no state
-
-        def joined(storage_leaves, rest_leaves, small):
-            return computable(bundle.join(tuple(storage_leaves) + tuple(rest_leaves), small), shardings)
-
-        split = bundle.split
+        # not self: a kernel cache shared by engines keeps no engine alive
+        joined, split = _joiner(self.bundle, self.shardings), self.bundle.split
 
         def kernel(storage_leaves, rest_leaves, small, *args):
             new_state, *outputs = step(joined(storage_leaves, rest_leaves, small), *args[1:] if recycles else args)
@@ -728,6 +721,15 @@ class RolloutEngine:
         """Write the staged groups (and the policy version) now."""
         if self.staged:
             self._dispatch("flush", version)
+
+
+def _joiner(bundle: LeafBundle, shardings):
+    """Inside a kernel: ``joined(storage_leaves, rest_leaves, small)``, the state from its bundled form with every
+    leaf computable (see ``computable``)."""
+    def joined(storage_leaves, rest_leaves, small):
+        return computable(bundle.join(tuple(storage_leaves) + tuple(rest_leaves), small), shardings)
+
+    return joined
 
 
 def _placed_elsewhere(leaf, target) -> bool:
