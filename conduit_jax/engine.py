@@ -281,8 +281,8 @@ class Engine:
             return kernel[0]
         config = self.config
         step, own_outputs = self._steps[step_name]
-        step_writes, step_donates, _ = self._step_options.get(step_name, (False, (), False))
-        writes = staged is not None or step_writes
+        _, step_donates, _ = self._step_options.get(step_name, _BUILT_IN_STEP)
+        writes = self._writes(step_name, staged)
         reports = self.reports_deliverable and (staged is not None or step_name == "version" or (
             step_name == "sample" and config.sampler.sampling_retires))
 
@@ -309,6 +309,11 @@ class Engine:
                                      donates=tuple(before + i for i in step_donates))
         self._kernels[key] = kernel, self._kernel_name(*key)
         return kernel
+
+    def _writes(self, step_name: str, staged) -> bool:
+        """Whether the kernel of step ``step_name`` (carrying a ``staged`` block or None) writes storage: its whole
+        state goes in donated and comes out, the ring included."""
+        return staged is not None or self._step_options.get(step_name, _BUILT_IN_STEP)[0]
 
     @staticmethod
     def _kernel_name(step_name: str, updates: int, staged: Optional[tuple[int, bool]], recycles: bool) -> str:
@@ -343,7 +348,7 @@ class Engine:
         self.dispatches[name] += 1
         with self.counting(name):
             out = self._settled(kernel(storage_large, rest_large, small, *args, *step_args))
-        if staged is None and not self._step_options.get(step_name, (False,))[0]:
+        if not self._writes(step_name, staged):
             rest_large, small, *outputs = out
             self._keep(storage_large + tuple(rest_large), small)
         else:
@@ -721,6 +726,9 @@ class RolloutEngine:
         """Write the staged groups (and the policy version) now."""
         if self.staged:
             self._dispatch("flush", version)
+
+
+_BUILT_IN_STEP = (False, (), False)  # (writes, donates, keeps_status) of the engine's own steps ("", sample, version)
 
 
 def _joiner(bundle: LeafBundle, shardings):
