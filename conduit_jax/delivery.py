@@ -273,21 +273,34 @@ class Scheduler:
         self.worker = DeliveryWorker(lock, self.poll, "conduit-delivery", self.wake_at) if schedule.depth else None
 
     # -- the plane's hooks ----------------------------------------------------------------------------------------
-    def ingested(self) -> None:
+    def ingested(self) -> Optional[Callable[[], Callable[[], None]]]:
         """An ingest made items deliverable. Right after a policy-version switch with nothing in flight (an
         on-policy rollout: the learner asks for the epoch's first minibatch next, with nothing of its own to do
         meanwhile) that minibatch is drawn here, on the ingesting thread, and the worker draws the rest after the
         first deliver(). A worker woken for it raced that deliver() for the lock and the GIL, and the first
-        deliver() after a rollout exposed more time than under sync. Otherwise the worker looks for work, if it may
-        find some (a batch to draw: with all ``depth`` in flight there is none, and waking it would only take the
-        GIL)."""
+        deliver() after a rollout exposed more time than under sync. Then the batch's ``wait`` is returned for
+        ``finish_ingest``: the ingesting thread, not the deliver(), waits for it to be computed (the learner's own
+        thread in an on-policy loop: the same wait, earlier; a generator's thread: a wait the learner no longer
+        sees). Otherwise the worker looks for work, if it may find some (a batch to draw: with all ``depth`` in
+        flight there is none, and waking it would only take the GIL), and None is returned."""
         if self.worker is None:
-            return
+            return None
         if not self.one_ahead:
             if len(self.in_flight) < self.depth:
                 self.worker.kick()
         elif not self.in_flight and self._admits():
-            self.in_flight.append(Prefetched(self._draw(), self.epoch))
+            batch = Prefetched(self._draw(), self.epoch)
+            self.in_flight.append(batch)
+            return batch.wait
+        return None
+
+    def finish_ingest(self, wait: Optional[Callable[[], Callable[[], None]]]) -> None:
+        """Run what ``ingested`` returned, if anything: the wait without the lock (the caller has released it), then
+        the batch marked computed under it."""
+        if wait is not None:
+            mark = wait()
+            with self.lock:
+                mark()
 
     def settle(self) -> None:
         """Wait until the worker has done what it can now: the host bookkeeping is what it would be without one."""

@@ -187,7 +187,8 @@ class ExperienceDataPlane:
             self._wait_until(lambda: self._ingest_refusal(n), timeout)
             self.engine.ingest(batch, n, staged=self.schedule.stage)
             self._changed.notify_all()
-            self._schedule.ingested()  # a rollout's first minibatches are drawn as it is ingested
+            drawn = self._schedule.ingested()  # a rollout's first minibatch is drawn as it is ingested
+        self._schedule.finish_ingest(drawn)
         self.timeline.record("ingest", start, time.perf_counter())
         if self._lock.waiting:
             # a staged ingest is a copy, so a producer thread in a loop of them would take the lock again before a

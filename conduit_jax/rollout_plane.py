@@ -25,6 +25,7 @@ The plane plans every batch on the host (``rollouts.HostQueue``), so no call rea
 
 from __future__ import annotations
 
+import collections
 import threading
 import time
 import weakref
@@ -42,6 +43,8 @@ from conduit_jax.delivery import CountedLock, Scheduler, check_version, checked_
 from conduit_jax.engine import RolloutEngine
 from conduit_jax.errors import CapacityError, ConfigError, NotEnoughDataError
 
+DRAWN_VERSIONS_KEPT = 64  # recent draws whose groups' versions the plane keeps (a batch older than these is re-checked
+# on the device)
 STAGED_GROUPS_MAX = 256  # groups staged at most (and at most group_capacity): more are written by a kernel of their own
 
 
@@ -82,6 +85,9 @@ class RolloutPlane:
         self.engine = RolloutEngine(self.buffer)
         self.timeline = metrics.Timeline()
         self.masked_stale = 0  # sequences of prefetched batches masked at delivery (older than the bound by then)
+        # (batch, policy version of each group it took; -1: none) of recent draws, known from the host's plan: a
+        # batch re-checked at delivery after a version switch is then decided without reading the device
+        self._drawn_versions: collections.deque = collections.deque(maxlen=DRAWN_VERSIONS_KEPT)
         self._lock = CountedLock()
         self._changed = threading.Condition(self._lock)
         self._schedule = Scheduler(self.schedule, self._lock, group_capacity, self.timeline,
@@ -117,7 +123,8 @@ class RolloutPlane:
             self.queue.ingest(lengths, groups.policy_version)
             self.engine.staged.append(groups)
             self._changed.notify_all()
-            self._schedule.ingested()
+            drawn = self._schedule.ingested()  # after a version switch the next batch is drawn here
+        self._schedule.finish_ingest(drawn)
         self.timeline.record("ingest", start, time.perf_counter())
         if self._lock.waiting:  # a producer looping on staged copies would starve a blocked learner (see plane.py)
             time.sleep(0)
@@ -159,6 +166,7 @@ class RolloutPlane:
         self._changed.notify_all()  # groups left the queue: an ingest waiting for room may go on
         if self.learner_mesh is not None:
             batch = jax.device_put(batch, self._shardings_on_learner(batch))
+        self._drawn_versions.append((batch, np.where(plan.taken, self.queue.version[plan.slots], -1)))
         return batch
 
     def move_cost(self, topology) -> dict[str, float]:
@@ -215,7 +223,11 @@ class RolloutPlane:
         eta = self.config.max_staleness
         if eta is None:
             return batch
-        stale = batch.sequence_mask & (batch.versions < self.queue.policy_version - eta)
+        oldest = self.queue.policy_version - eta
+        versions = next((v for drawn, v in self._drawn_versions if drawn is batch), None)
+        if versions is not None and not np.any((versions >= 0) & (versions < oldest)):
+            return batch  # every group it took is still fresh enough (its sequences are a subset of those groups')
+        stale = batch.sequence_mask & (batch.versions < oldest)
         count = int(np.sum(np.asarray(stale)))
         if not count:
             return batch

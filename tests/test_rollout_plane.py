@@ -165,6 +165,30 @@ def test_a_prefetched_batch_gone_stale_is_masked_when_delivered():
         plane.close()
 
 
+def test_after_a_version_switch_the_ingest_lays_out_the_next_batch_and_a_fresh_one_is_handed_over_as_drawn():
+    """Under overlap the generator's ingest right after a switch draws the learner's next batch and returns once it
+    is computed, so deliver() waits for nothing; a batch drawn before a switch that leaves it within the bound is
+    handed over as it was drawn (nothing masked, no kernel)."""
+    spec = rollouts.RolloutSpec(GROUP, 12, {"tokens": np.int32})
+    plane = RolloutPlane(spec, 512, 16, 1, rollouts.packed(4, 24), max_staleness=1, schedule=schedule.overlap(1))
+    try:
+        rng = np.random.default_rng(3)
+        plane.ingest(make_groups(rng, 2, 0, 0)[0])
+        plane.deliver(timeout=10.0)
+        (ahead,) = plane.in_flight()  # the worker drew the second group ahead, at version 0
+        plane.set_policy_version(1)
+        dispatched = sum(plane.stats()["dispatches"].values())
+        assert plane.deliver(timeout=10.0) is ahead and plane.stats()["masked_stale"] == 0
+        assert np.any(np.asarray(ahead.loss_mask)) and sum(plane.stats()["dispatches"].values()) == dispatched
+        plane.set_policy_version(2)
+        plane.ingest(make_groups(rng, 1, 2, 100)[0])
+        (drawn,) = plane.in_flight()
+        assert all(leaf.is_ready() for leaf in jax.tree_util.tree_leaves(drawn))  # computed before ingest returned
+        assert plane.deliver(timeout=10.0) is drawn and int(drawn.groups) == 1
+    finally:
+        plane.close()
+
+
 def test_batches_land_on_the_learners_devices():
     """Generation's half of the mesh holds the buffer; the learner's half receives the batches."""
     devices = np.array(jax.devices()[:8])
