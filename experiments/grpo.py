@@ -91,8 +91,11 @@ class GRPOConfig:
     scale_advantages: bool = True  # False: advantage = reward - group mean (no division by the group's std)
     max_staleness: int = 2  # groups older than this many policy versions never reach the loss
     overlap_schedule: str = "overlap"  # the plane's schedule in overlap mode: overlap (overlap(1)) or adaptive
-    rows: int = 8  # the packed layout's token budget: rows x row_length per learner batch
-    row_length: int = 96
+    # the packed layout's token budget per learner batch, rows x row_length: about a generation's useful tokens (~920
+    # here) over the packing efficiency aimed at (0.9), so a generation's groups fit one batch; a smaller budget
+    # (8 x 96 before) left ~2 of 8 groups per batch waiting, a backlog that aged out as stale groups
+    rows: int = 16
+    row_length: int = 64
     token_capacity: int = 16_384  # the conduit buffer's token ring
     group_capacity: int = 64
 
@@ -109,7 +112,7 @@ class GRPOConfig:
         return self.groups_per_batch * self.group_size
 
 
-QUICK = dict(max_items=6, iterations=80, rows=8, row_length=64)
+QUICK = dict(max_items=6, iterations=80, rows=13, row_length=64)  # ~730 useful tokens a generation
 
 
 # ------------------------------------------------------------------------------------------------------------------
