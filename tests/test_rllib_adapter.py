@@ -235,6 +235,70 @@ def test_buffer_returns_rllib_episodes_and_n_step_one():
     assert metrics["num_env_steps_added_lifetime"] == sum(length for _, length, _ in CHUNKS)
 
 
+def _same(built, reference, where="episode"):
+    """Attribute for attribute (slots, buffers' attributes, arrays by dtype, shape and bytes, containers in order)."""
+    from ray.rllib.env.utils.infinite_lookback_buffer import InfiniteLookbackBuffer
+
+    assert type(built) is type(reference), where
+    if isinstance(reference, SingleAgentEpisode):
+        for slot in SingleAgentEpisode.__slots__:
+            _same(getattr(built, slot), getattr(reference, slot), f"{where}.{slot}")
+    elif isinstance(reference, InfiniteLookbackBuffer):
+        assert list(vars(built)) == list(vars(reference)), where
+        for name, value in vars(reference).items():
+            _same(vars(built)[name], value, f"{where}.{name}")
+    elif isinstance(reference, np.ndarray):
+        assert built.dtype == reference.dtype and built.shape == reference.shape, where
+        np.testing.assert_array_equal(built, reference, err_msg=where)
+    elif isinstance(reference, (list, tuple, dict)):
+        assert len(built) == len(reference), where
+        if isinstance(reference, dict):
+            assert list(built) == list(reference), where
+            built, reference = list(built.values()), list(reference.values())
+        for j, (a, b) in enumerate(zip(built, reference)):
+            _same(a, b, f"{where}[{j}]")
+    else:
+        assert built == reference or (built is None and reference is None), (where, built, reference)
+
+
+@pytest.mark.parametrize("to_numpy", [True, False])
+def test_one_step_episodes_are_rllibs_constructor_attribute_for_attribute(to_numpy):
+    """The 1-step episodes a sample returns are built without RLlib's constructor (most of a sample's cost); every
+    slot and buffer attribute equals what ``SingleAgentEpisode(...)`` (and ``to_numpy``) gives for the same row."""
+    import gymnasium as gym
+    from ray.rllib.core.columns import Columns
+
+    from conduit_rllib.episode_index import OneStepEpisodes, transitions
+
+    rng = np.random.default_rng(0)
+    spaces = (gym.spaces.Box(-1.0, 1.0, (3,), np.float32), gym.spaces.Discrete(4))
+    n = 6
+    host = {Columns.OBS: rng.standard_normal((n, 3)).astype(np.float32),
+            Columns.NEXT_OBS: rng.standard_normal((n, 3)).astype(np.float32),
+            Columns.ACTIONS: rng.integers(0, 4, n), Columns.REWARDS: rng.standard_normal(n),
+            Columns.TERMINATEDS: rng.random(n) < 0.5, Columns.TRUNCATEDS: np.zeros(n, bool),
+            "weights": rng.random(n).astype(np.float32), "n_step": rng.integers(1, 4, n).astype(np.int32),
+            "extra__logp": rng.standard_normal((n, 2)).astype(np.float32), "info__x": rng.random(n),
+            "next_info__x": rng.random(n)}
+    keys = {"extra__logp": "action_logp", "info__x": "x"}
+    records = [conduit_rllib.episode_index.StoredEpisode(f"e{i}", 10, False, False, [], f"a{i}", "m", None)
+               for i in range(n)]
+    starts = rng.integers(0, 9, n)
+    assert OneStepEpisodes(*spaces).direct  # the direct path is the one taken for these spaces
+    built = transitions(records, starts, host, keys, spaces, to_numpy, infos=True, extras=True)
+    reference = OneStepEpisodes(*spaces)
+    reference.direct = False  # RLlib's constructor
+    pairs = np.stack([host[Columns.OBS], host[Columns.NEXT_OBS]], axis=1)
+    outputs = {"weights": host["weights"], "n_step": host["n_step"], "action_logp": host["extra__logp"]}
+    for i in range(n):
+        expected = reference(records[i], i, pairs, host[Columns.ACTIONS], host[Columns.REWARDS], outputs,
+                             bool(host[Columns.TERMINATEDS][i]), False, int(starts[i]),
+                             [{"x": host["info__x"][i]}, {"x": host["next_info__x"][i]}], to_numpy)
+        _same(built[i], expected, f"episode {i}")
+        assert len(built[i]) == 1 and built[i].is_numpy == to_numpy
+        np.testing.assert_array_equal(built[i].get_observations(-1), host[Columns.NEXT_OBS][i])
+
+
 def test_n_step_longer_than_every_episode_is_refused_at_once():
     """With no stored episode of n steps RLlib's PER would resample forever; the Conduit one refuses after its first
     draw, naming n_step, and nothing changes: the sampled-steps counter stays, the next valid sample works."""

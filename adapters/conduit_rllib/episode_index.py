@@ -18,6 +18,7 @@ import collections
 import dataclasses
 from typing import Any, Callable, NamedTuple, Optional
 
+import gymnasium as gym
 import numpy as np
 from ray.rllib.core.columns import Columns
 from ray.rllib.env.multi_agent_episode import MultiAgentEpisode
@@ -380,30 +381,91 @@ def transitions(records: list, starts: np.ndarray, host: dict, keys: dict, space
                 infos: bool, extras: bool) -> list:
     """RLlib's 1-step episodes (o_t, a_t, G_t, o_{t+n}) with ``weights`` and ``n_step`` model outputs from a drawn
     batch's host columns, each carrying its stored episode's id, agent, module and multi-agent episode (``records``,
-    the drawn steps' places ``starts``); ``keys``: column -> the infos / extra_model_outputs key it stores."""
+    the drawn steps' places ``starts``); ``keys``: column -> the infos / extra_model_outputs key it stores.
+
+    Each is the episode RLlib's own buffer returns, ``SingleAgentEpisode(observations=[o_t, o_{t+n}], actions=[a_t],
+    rewards=[G_t], ..., len_lookback_buffer=0)`` (``.to_numpy()``'d when ``to_numpy``), attribute for attribute
+    (``OneStepEpisodes``); built without the constructor's checks and space lookups, which cost most of a sample."""
     observation_space, action_space = spaces
     obs, next_obs, actions = host[Columns.OBS], host[Columns.NEXT_OBS], host[Columns.ACTIONS]
     rewards, weights, steps = host[Columns.REWARDS], host["weights"], host["n_step"]
     terminated, truncated = host[Columns.TERMINATEDS], host[Columns.TRUNCATEDS]
     extra_columns = [k for k in host if k.startswith("extra__")] if extras else []
     info_columns = [k for k in host if k.startswith("info__")] if infos else []
+    build = OneStepEpisodes(observation_space, action_space)
+    pairs = np.stack([obs, next_obs], axis=1)  # [B, 2, ...]: each episode's two observations
+    outputs = {"weights": weights, "n_step": steps, **{keys[k]: host[k] for k in extra_columns}}
     out = []
     for i, record in enumerate(records):
-        outputs = {"weights": [weights[i]], "n_step": [steps[i]]}
-        outputs.update({keys[k]: [host[k][i]] for k in extra_columns})
-        episode = SingleAgentEpisode(
-            id_=record.id_, agent_id=record.agent_id, module_id=record.module_id,
-            multi_agent_episode_id=record.multi_agent_episode_id,
-            observations=[obs[i], next_obs[i]], observation_space=observation_space,
-            infos=[{keys[k]: host[k][i] for k in info_columns},
-                   {keys[k]: host["next_" + k][i] for k in info_columns}] if infos else None,
-            actions=[actions[i]], action_space=action_space, rewards=[rewards[i]],
-            terminated=bool(terminated[i]), truncated=bool(truncated[i]), extra_model_outputs=outputs,
-            len_lookback_buffer=0, t_started=int(starts[i]))
-        if to_numpy:
-            episode.to_numpy()
-        out.append(episode)
+        out.append(build(
+            record, i, pairs, actions, rewards, outputs, bool(terminated[i]), bool(truncated[i]), int(starts[i]),
+            [{keys[k]: host[k][i] for k in info_columns}, {keys[k]: host["next_" + k][i] for k in info_columns}]
+            if infos else [{}, {}], to_numpy))
     return out
+
+
+# What RLlib 2.60's constructor and ``to_numpy`` set on a ``SingleAgentEpisode`` and an ``InfiniteLookbackBuffer``;
+# ``OneStepEpisodes`` sets exactly these, and falls back to the constructor for any other RLlib (or a space whose
+# structure is nested, where the buffers' space structs are built per buffer).
+EPISODE_SLOTS = frozenset({
+    "actions", "agent_id", "extra_model_outputs", "id_", "infos", "is_terminated", "is_truncated", "module_id",
+    "multi_agent_episode_id", "observations", "rewards", "t", "t_started", "_action_space", "_last_added_observation",
+    "_last_added_infos", "_last_step_time", "_observation_space", "_start_time", "_custom_data"})
+REWARDS_SPACE = gym.spaces.Box(float("-inf"), float("inf"), (), np.float32)  # the rewards buffer's, as RLlib sets it
+
+
+class OneStepEpisodes:
+    """Builds RLlib's 1-step ``SingleAgentEpisode`` (two observations, one action, reward and set of model outputs,
+    no lookback) for row ``i`` of a drawn batch: the slots RLlib's constructor sets (and ``to_numpy`` finalises),
+    set directly. ``tests/test_rllib_adapter.py`` holds every slot and buffer attribute against the constructor's."""
+
+    def __init__(self, observation_space, action_space):
+        from ray.rllib.utils.spaces.space_utils import get_base_struct_from_space
+
+        self.spaces = {"obs": observation_space, "action": action_space, "reward": REWARDS_SPACE, "none": None}
+        self.structs = {name: get_base_struct_from_space(space) for name, space in self.spaces.items()}
+        self.direct = set(getattr(SingleAgentEpisode, "__slots__", ())) == EPISODE_SLOTS and all(
+            struct is space for struct, space in ((self.structs["obs"], observation_space),
+                                                   (self.structs["action"], action_space)))
+
+    def __call__(self, record, i: int, pairs, actions, rewards, outputs: dict, terminated: bool, truncated: bool,
+                 t_started: int, infos: list, to_numpy: bool) -> SingleAgentEpisode:
+        if not self.direct:
+            episode = SingleAgentEpisode(
+                id_=record.id_, agent_id=record.agent_id, module_id=record.module_id,
+                multi_agent_episode_id=record.multi_agent_episode_id, observations=list(pairs[i]),
+                observation_space=self.spaces["obs"], infos=infos, actions=[actions[i]],
+                action_space=self.spaces["action"], rewards=[rewards[i]], terminated=terminated,
+                truncated=truncated, extra_model_outputs={k: [v[i]] for k, v in outputs.items()},
+                len_lookback_buffer=0, t_started=t_started)
+            return episode.to_numpy() if to_numpy else episode
+        # finalised (to_numpy): each buffer's data is the batch of its one or two items, RLlib's ``batch`` of them
+        # (np.stack: the rows of the drawn columns); else the items as a list
+        rows = slice(i, i + 1)
+        episode = object.__new__(SingleAgentEpisode)
+        episode.id_, episode.agent_id, episode.module_id = record.id_, record.agent_id, record.module_id
+        episode.multi_agent_episode_id = record.multi_agent_episode_id
+        episode.observations = self._buffer(pairs[i] if to_numpy else list(pairs[i]), "obs")
+        episode._observation_space = self.spaces["obs"]
+        episode.infos = self._buffer(infos, "none")  # never finalised
+        episode.actions = self._buffer(actions[rows] if to_numpy else [actions[i]], "action")
+        episode._action_space = self.spaces["action"]
+        episode.rewards = self._buffer(rewards[rows] if to_numpy else [rewards[i]], "reward")
+        episode.is_terminated, episode.is_truncated = terminated, truncated
+        episode.extra_model_outputs = {k: self._buffer(v[rows] if to_numpy else [v[i]], "none")
+                                       for k, v in outputs.items()}
+        episode.t_started, episode.t = t_started, t_started + 1
+        episode._custom_data = {}
+        episode._start_time = episode._last_step_time = None
+        episode._last_added_observation = episode._last_added_infos = None
+        return episode
+
+    def _buffer(self, data, space: str) -> InfiniteLookbackBuffer:
+        buffer = object.__new__(InfiniteLookbackBuffer)
+        # the attributes in the order the constructor sets them
+        buffer.__dict__ = {"data": data, "lookback": 0, "finalized": not isinstance(data, list),
+                           "_space": self.spaces[space], "_space_struct": self.structs[space]}
+        return buffer
 
 
 def episode_slice(record: StoredEpisode, t: int, i: int, back: int, ahead: int, lookback: int, data: dict, end: dict,
