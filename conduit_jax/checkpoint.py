@@ -50,6 +50,11 @@ before saving. The random streams continue, but draws map to different rows unde
 after the restore are not the ones the original would have made. Same-count restores continue the original delivery
 stream exactly.
 
+Other checkpoints. ``rollout_checkpoint`` saves a ``RolloutPlane`` with the public pieces of this module:
+``write_step`` (numbering, CRC-32s, signed metadata, atomic write, retention), ``choose_step``,
+``read_step_metadata``, ``read_arrays``, ``named_leaves`` / ``unflatten_like``, ``schedule_json`` /
+``schedule_from_json`` and ``checked_directory``.
+
 Not in a checkpoint: what the shell keeps on the host outside ``plane.state``, i.e. batches a prefetching schedule
 has already drawn (``deliver()`` with overlap / deferred / adaptive) and deferred priority updates; ``save`` warns
 (``ConduitWarning``) when there are any. Single process only (multi-host meshes are not supported yet), and one
@@ -169,12 +174,8 @@ def save(plane, directory, *, step: Optional[int] = None, max_to_keep: Optional[
          incremental: bool = False, compress: bool = False) -> SaveHandle:
     """Save the whole plane as step ``step`` (default: one past the newest step) of ``directory``; returns at once
     with a ``SaveHandle`` (``block=True``: after the step is on disk). See the module docstring."""
-    directory = _directory(directory, "save()")
-    if max_to_keep is not None and (not isinstance(max_to_keep, int) or isinstance(max_to_keep, bool) or
-                                    max_to_keep < 1):
-        raise ConfigError(f"save(): max_to_keep must be an int >= 1 or None (keep all), got {max_to_keep!r}")
-    if step is not None and (not isinstance(step, (int, np.integer)) or isinstance(step, bool) or step < 0):
-        raise ConfigError(f"save(): step must be an int >= 0 or None, got {step!r}")
+    directory = checked_directory(directory, "save()")
+    _check_save_options(step, max_to_keep, "save()")
     start_time = time.perf_counter()
     kernels = _plane_kernels(plane)
     shard_cap = plane.config.shard_capacity
@@ -194,15 +195,7 @@ def save(plane, directory, *, step: Optional[int] = None, max_to_keep: Optional[
     if not on_host and plan is None:
         kernels["copy_compiled"]()
     with _dir_lock:
-        on_disk = _steps_on_disk(directory, include_unfinished=False)
-        newest = max([*on_disk, _assigned.get(directory, -1)], default=-1)
-        if step is None:
-            step = newest + 1
-        elif step <= newest:
-            raise ConfigError(f"save(): step {step} is not after the newest step {newest} of {directory}; steps only "
-                              f"increase (pass step=None for the next one)")
-        step = int(step)
-        _assigned[directory] = step
+        step = _assign_step(directory, step, "save()")
         previous = _last_handle.get(directory)
         base = _lineages.get(plane, {}).get(directory) if incremental else None
 
@@ -246,6 +239,62 @@ def save(plane, directory, *, step: Optional[int] = None, max_to_keep: Optional[
     return handle
 
 
+def write_step(directory, take, *, step: Optional[int] = None, max_to_keep: Optional[int] = 3, block: bool = False,
+               where: str = "save()") -> SaveHandle:
+    """Write a full step of ``directory`` for a state other than an ``ExperienceDataPlane``'s (``rollout_checkpoint``
+    saves a ``RolloutPlane`` with it), by the same rules as ``save``: the step number (default: one past the newest;
+    steps only increase, saves to one directory are written in call order), atomicity (orbax's tmp folder, renamed
+    once complete), CRC-32s and retention (the newest ``max_to_keep`` steps; None keeps all).
+
+    ``take()`` is called once the step is numbered and returns ``(arrays, meta)``: a pytree of arrays (a copy the
+    caller took under its own lock: the writer may read it after ``take`` returns; device copies may still be in
+    flight) and a JSON-able metadata dict, whose ``format`` and ``format_version`` ``read_step_metadata`` checks
+    later. A background thread then records every array's shape, dtype and CRC-32 under ``meta["arrays"]`` (keyed
+    by ``named_leaves``), signs the metadata (``meta_crc32``, see ``metadata_checksum``) and writes the ``arrays``
+    and ``meta`` items. Returns the ``SaveHandle`` at once (``block=True``: once the step is on disk); its
+    ``blocked_s`` is how long ``take`` ran."""
+    directory = checked_directory(directory, where)
+    _check_save_options(step, max_to_keep, where)
+    start_time = time.perf_counter()
+    with _dir_lock:
+        step = _assign_step(directory, step, where)
+        previous = _last_handle.get(directory)
+        began = time.perf_counter()
+        snapshot, meta = take()
+        handle = SaveHandle(directory=directory, step=step, kind="full", base_step=None,
+                            blocked_s=time.perf_counter() - began)
+        _last_handle[directory] = handle
+    thread = threading.Thread(target=_write, name=f"conduit-checkpoint-{step}",
+                              args=(handle, None, snapshot, dict(meta), previous, max_to_keep, False, start_time))
+    thread.start()  # not a daemon: an interpreter exit waits for the write to finish
+    if block:
+        handle.wait()
+    return handle
+
+
+def _check_save_options(step, max_to_keep, where: str) -> None:
+    if max_to_keep is not None and (not isinstance(max_to_keep, int) or isinstance(max_to_keep, bool) or
+                                    max_to_keep < 1):
+        raise ConfigError(f"{where}: max_to_keep must be an int >= 1 or None (keep all), got {max_to_keep!r}")
+    if step is not None and (not isinstance(step, (int, np.integer)) or isinstance(step, bool) or step < 0):
+        raise ConfigError(f"{where}: step must be an int >= 0 or None, got {step!r}")
+
+
+def _assign_step(directory: str, step, where: str) -> int:
+    """The number of the next save to ``directory`` (call under ``_dir_lock``): ``step``, or one past the newest step
+    on disk or assigned to a save still running."""
+    on_disk = _steps_on_disk(directory, include_unfinished=False)
+    newest = max([*on_disk, _assigned.get(directory, -1)], default=-1)
+    if step is None:
+        step = newest + 1
+    elif step <= newest:
+        raise ConfigError(f"{where}: step {step} is not after the newest step {newest} of {directory}; steps only "
+                          f"increase (pass step=None for the next one)")
+    step = int(step)
+    _assigned[directory] = step
+    return step
+
+
 def _counts(plane) -> tuple[int, ...]:
     """Items ever written to each shard (call under the plane's lock)."""
     cursor, laps = jax.device_get((plane.state.storage.cursor, plane.state.storage.laps))
@@ -279,7 +328,7 @@ def _write(handle: SaveHandle, plane, snapshot, meta, previous, max_to_keep, com
                                   f"{handle.base_step} was not written (its save failed or it was deleted); take a "
                                   f"full save")
         phase = time.perf_counter()
-        arrays = {name: np.asarray(a) for name, a in _named_leaves(snapshot).items()}  # device -> host (or as is)
+        arrays = {name: np.asarray(a) for name, a in named_leaves(snapshot).items()}  # device -> host (or as is)
         del snapshot
         meta["arrays"] = {name: {"shape": list(a.shape), "dtype": np.dtype(a.dtype).name, "crc32": _crc32(a)}
                           for name, a in arrays.items()}
@@ -316,7 +365,7 @@ def _write(handle: SaveHandle, plane, snapshot, meta, previous, max_to_keep, com
         handle.total_s = time.perf_counter() - start_time
     except BaseException as exc:  # reported by wait()
         handle.error = exc
-        if not written:
+        if not written and plane is not None:
             with _dir_lock:  # the next incremental save must not build on a step that is not there
                 record = _lineages.get(plane, {})
                 if handle.directory in record and record[handle.directory].step == handle.step:
@@ -364,7 +413,7 @@ def _metadata(plane, counts, lineage: str, delta, base_step) -> dict:
         "staleness": None if config.staleness is None else {"max_versions": config.staleness.max_versions,
                                                           "key": config.staleness.key},
         "cast": bool(getattr(plane, "cast", False)),
-        "schedule": _schedule_json(getattr(plane, "schedule", None)),
+        "schedule": schedule_json(getattr(plane, "schedule", None)),
         "plan": _plan_json(getattr(plane, "plan", None)),  # informational: placement.Plan.from_dict() rebuilds it
     }
     if delta is not None:
@@ -440,14 +489,18 @@ def _abstract_state(config):
     return jax.eval_shape(functools.partial(replay.init, config, 0))
 
 
-def _named_leaves(tree) -> dict[str, jax.Array]:
-    """Every leaf of a state (or of a delta snapshot) by a stable name: 'storage.rows', 'sampler.levels.2', ..."""
+def named_leaves(tree) -> dict[str, jax.Array]:
+    """Every leaf of a state pytree (or of a delta snapshot) by the stable name a checkpoint stores it under:
+    'storage.rows', 'sampler.levels.2', 'leaves.tokens', ... (``unflatten_like`` is the inverse)."""
     if isinstance(tree, dict) and "delta" in tree:
-        out = _named_leaves(tree["state"])
+        out = named_leaves(tree["state"])
         out[_DELTA] = tree["delta"]
         return out
     flat, _ = jax.tree_util.tree_flatten_with_path(tree)
     return {_key(path): leaf for path, leaf in flat}
+
+
+_named_leaves = named_leaves  # its name before rollout_checkpoint used it (tests/test_checkpoint.py)
 
 
 def _key(path) -> str:
@@ -457,7 +510,7 @@ def _key(path) -> str:
 def _host_buffers(plane) -> dict[str, np.ndarray]:
     """One host array per state leaf (global shape), every page touched, so the copy under the lock is a memcpy."""
     buffers = {}
-    for name, leaf in _named_leaves(_abstract_state(plane.config)).items():
+    for name, leaf in named_leaves(_abstract_state(plane.config)).items():
         buffer = np.empty(leaf.shape, leaf.dtype)
         buffer.reshape(-1).view(np.uint8)[::4096] = 0  # fault the pages in now, not under the lock
         buffers[name] = buffer
@@ -467,7 +520,7 @@ def _host_buffers(plane) -> dict[str, np.ndarray]:
 def _copy_to_host(state, buffers: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """Copy every leaf of a state on CPU devices into ``buffers`` (call under the plane's lock): each distinct
     shard is a zero-copy NumPy view of its device buffer, copied into its slice of the global array."""
-    leaves = _named_leaves(state)
+    leaves = named_leaves(state)
     if set(leaves) != set(buffers):
         raise CheckpointError(f"save(): the plane's state has leaves {sorted(leaves)}, expected {sorted(buffers)}")
     for name, leaf in leaves.items():
@@ -528,24 +581,14 @@ def restore(directory, build, *, step: Optional[int] = None, mesh: Optional[Mesh
     ``build(spec, capacity, sampler, *, limiter, staleness, cast, mesh | plan, [schedule,] state)`` makes the plane
     around the state read back: ``ExperienceDataPlane.restore(directory, ...)`` passes its class, the usual way in."""
 
-    directory = _directory(directory, "restore()")
+    directory = checked_directory(directory, "restore()")
     where = f"restore({directory})"
     if timings is not None and not isinstance(timings, dict):
         raise ConfigError(f"restore(): timings must be a dict (it receives each phase's seconds), got "
                           f"{type(timings).__name__}")
     timings = {} if timings is None else timings
     start = phase = time.perf_counter()
-    if not os.path.isdir(directory):
-        raise CheckpointError(f"{where}: no such directory")
-    steps = _steps_on_disk(directory)
-    if not steps:
-        unfinished = _steps_on_disk(directory, include_unfinished=True)
-        raise CheckpointError(f"{where}: no finished checkpoint in the directory" +
-                              (f" (unfinished saves of steps {unfinished} were interrupted)" if unfinished else ""))
-    if step is None:
-        step = steps[-1]
-    elif step not in steps:
-        raise CheckpointError(f"{where}: there is no finished step {step}; the directory has steps {steps}")
+    step = choose_step(directory, step, where)
     where = f"restore({directory}, step={step})"
     chain = _chain(directory, step, where)
     meta = chain[-1][1]
@@ -576,13 +619,13 @@ def restore(directory, build, *, step: Optional[int] = None, mesh: Optional[Mesh
     except ConfigError as exc:
         raise ConfigError(f"{where}: the checkpoint's plane cannot be built on this mesh / plan: {exc}") from None
     extra = {"plan": plan} if plan is not None else {"mesh": mesh}
-    schedule = _schedule(meta, schedule, where)
+    schedule = schedule_from_json(meta, schedule, where)
     if schedule is not None and "schedule" in inspect.signature(build).parameters:
         extra["schedule"] = schedule
     saved_shards = _field(meta, "num_shards", int, where)
-    abstract = _named_leaves(_abstract_state(config))
+    abstract = named_leaves(_abstract_state(config))
     targets = {name: jax.ShapeDtypeStruct(abstract[name].shape, abstract[name].dtype, sharding=sharding)
-               for name, sharding in _named_leaves(shardings).items()}
+               for name, sharding in named_leaves(shardings).items()}
     if _field(meta, "row_words", int, where) != config.layout.row_words:
         raise CheckpointError(f"{where}: the checkpoint's rows have {meta['row_words']} words, the spec packs into "
                               f"{config.layout.row_words}: the checkpoint is inconsistent")
@@ -621,7 +664,7 @@ def _restore_same_layout(directory, chain, config, targets, saved_streams: int, 
     layout = config.layout
     base_targets = dict(targets if len(chain) == 1 else {_ROWS: targets[_ROWS]})
     base_targets[_ROWS] = _saved_rows_target(first_meta, _ROWS, targets[_ROWS])
-    base = _read_arrays(directory, first_step, first_meta, base_targets, where, timings)
+    base = read_arrays(directory, first_step, first_meta, base_targets, where, timings)
     rows = base[_ROWS] = _in_ring_units(base[_ROWS], layout)
     if saved_streams != config.streams_per_shard:
         rows = base[_ROWS] = _slot_order_to_ring_rows_kernel(config)(rows)
@@ -632,17 +675,17 @@ def _restore_same_layout(directory, chain, config, targets, saved_streams: int, 
         wanted = jax.ShapeDtypeStruct((config.num_shards * d, layout.ring_width), layout.ring_dtype,
                                       sharding=NamedSharding(config.mesh, spec_axes))
         delta_target = {_DELTA: _saved_rows_target(inc_meta, _DELTA, wanted)}
-        delta = _in_ring_units(_read_arrays(directory, inc_step, inc_meta, delta_target, where, timings)[_DELTA],
+        delta = _in_ring_units(read_arrays(directory, inc_step, inc_meta, delta_target, where, timings)[_DELTA],
                                layout)
         rows = _apply_delta_kernel(config, d)(rows, delta, np.asarray(delta_meta["start"], np.int32),
                                                     np.asarray(delta_meta["count"], np.int32))
     if len(chain) > 1:
         small = {name: t for name, t in targets.items() if name != _ROWS}
-        arrays = _read_arrays(directory, last_step, last_meta, small, where, timings)
+        arrays = read_arrays(directory, last_step, last_meta, small, where, timings)
         arrays[_ROWS] = rows
     else:
         arrays = base
-    return _unflatten_like(_abstract_state(config), arrays, where)
+    return unflatten_like(_abstract_state(config), arrays, where)
 
 
 def _restore_relayout(directory, chain, config, shardings, targets, saved_shards: int, saved_streams: int, where,
@@ -665,15 +708,15 @@ def _restore_relayout(directory, chain, config, shardings, targets, saved_shards
     capacity, ring_width = config.capacity, layout.ring_width
     old_cap = capacity // saved_shards
     if len(chain) == 1:
-        old = {k: np.asarray(v) for k, v in _read_arrays(directory, first_step, first_meta,
+        old = {k: np.asarray(v) for k, v in read_arrays(directory, first_step, first_meta,
                                                           saved_targets(first_meta), where, timings).items()}
         rows = old[_ROWS] = _in_ring_units(old[_ROWS], layout)
     else:
-        rows = _in_ring_units(np.asarray(_read_arrays(directory, first_step, first_meta,
+        rows = _in_ring_units(np.asarray(read_arrays(directory, first_step, first_meta,
                                                       saved_targets(first_meta, {_ROWS}), where, timings)[_ROWS]),
                               layout)
         for inc_step, inc_meta in chain[1:]:
-            delta = _in_ring_units(np.asarray(_read_arrays(directory, inc_step, inc_meta,
+            delta = _in_ring_units(np.asarray(read_arrays(directory, inc_step, inc_meta,
                                                            saved_targets(inc_meta, {_DELTA}), where, timings)[_DELTA]),
                                    layout)
             phase = time.perf_counter()
@@ -685,7 +728,7 @@ def _restore_relayout(directory, chain, config, shardings, targets, saved_shards
             rows = _scatter_rows(rows, at, delta)  # in place (donated), on the one device
             timings["reassemble"] = timings.get("reassemble", 0.0) + time.perf_counter() - phase
         rows = np.asarray(rows)
-        old = {k: np.asarray(v) for k, v in _read_arrays(
+        old = {k: np.asarray(v) for k, v in read_arrays(
             directory, last_step, last_meta,
             saved_targets(last_meta, set(last_meta["arrays"]) - {_DELTA}), where, timings).items()}
         old[_ROWS] = rows
@@ -701,7 +744,7 @@ def _restore_relayout(directory, chain, config, shardings, targets, saved_shards
                               f"({type(exc).__name__}: {exc}): the checkpoint is inconsistent") from None
     timings["relayout"] = time.perf_counter() - phase
     phase = time.perf_counter()
-    state = jax.block_until_ready(jax.device_put(_unflatten_like(_abstract_state(config), new, where),
+    state = jax.block_until_ready(jax.device_put(unflatten_like(_abstract_state(config), new, where),
                                                  shardings))
     timings["place"] = time.perf_counter() - phase
     return state
@@ -709,7 +752,7 @@ def _restore_relayout(directory, chain, config, shardings, targets, saved_shards
 
 def _saved_rows_target(meta: dict, name: str, target):
     """How rows array ``name`` of a step was saved: a byte ring (uint8[n, row_bytes]) was saved as uint32[n, row_words]
-    before format version 3. ``target`` otherwise (``_read_arrays`` checks the recorded dtype and shape)."""
+    before format version 3. ``target`` otherwise (``read_arrays`` checks the recorded dtype and shape)."""
     info = meta["arrays"].get(name)
     if isinstance(info, dict) and info.get("dtype") == "uint32" and np.dtype(target.dtype) == np.uint8:
         return jax.ShapeDtypeStruct((target.shape[0], target.shape[1] // 4), jnp.uint32, sharding=target.sharding)
@@ -803,7 +846,10 @@ def _apply_delta_kernel(config, rows_per_shard: int):
                            out_shardings=NamedSharding(config.mesh, spec_axes))
 
 
-def _unflatten_like(template, arrays: dict, where: str):
+def unflatten_like(template, arrays: dict, where: str):
+    """The pytree ``template`` (arrays or ``jax.ShapeDtypeStruct``) with each leaf replaced by ``arrays[name]``
+    (names as ``named_leaves`` gives them); ``CheckpointError`` for a leaf that is missing or of another shape or
+    dtype."""
     flat, treedef = jax.tree_util.tree_flatten_with_path(template)
     names = [_key(path) for path, _ in flat]
     missing = [n for n in names if n not in arrays]
@@ -817,6 +863,24 @@ def _unflatten_like(template, arrays: dict, where: str):
                                   f"plane needs {np.dtype(leaf.dtype)}{list(leaf.shape)}")
         leaves.append(value)
     return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def choose_step(directory: str, step: Optional[int], where: str) -> int:
+    """The step of ``directory`` (a ``checked_directory`` path) to restore: ``step``, or the newest finished one by
+    default. ``CheckpointError`` when the directory does not exist, holds no finished step (naming the steps whose
+    saves were interrupted, if any) or has no finished step ``step``."""
+    if not os.path.isdir(directory):
+        raise CheckpointError(f"{where}: no such directory")
+    steps = _steps_on_disk(directory)
+    if not steps:
+        unfinished = _steps_on_disk(directory, include_unfinished=True)
+        raise CheckpointError(f"{where}: no finished checkpoint in the directory" +
+                              (f" (unfinished saves of steps {unfinished} were interrupted)" if unfinished else ""))
+    if step is None:
+        return steps[-1]
+    if step not in steps:
+        raise CheckpointError(f"{where}: there is no finished step {step}; the directory has steps {steps}")
+    return step
 
 
 def _chain(directory: str, step: int, where: str) -> list[tuple[int, dict]]:
@@ -868,20 +932,31 @@ def metadata_checksum(meta: dict) -> int:
     return zlib.crc32(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
 
 
-def _read_meta(directory: str, step: int, where: str) -> dict:
+def read_step_metadata(directory: str, step: int, where: str, *, format: str = FORMAT,
+                       versions: tuple = READABLE_VERSIONS, signed_from: int = 4,
+                       what: str = "Conduit-JAX plane") -> dict:
+    """The JSON metadata of step ``step`` of ``directory`` (read as plain JSON: never unpickled), checked: it reads
+    back, its ``format`` is ``format`` (else: "not a ``what`` checkpoint"), its ``format_version`` is one of
+    ``versions``, and from version ``signed_from`` on it matches its recorded ``meta_crc32`` (``metadata_checksum``:
+    metadata edited after the save is refused). Raises ``CheckpointError`` naming what is wrong."""
     meta = _read_meta_file(directory, step)
     if isinstance(meta, Exception):
         raise CheckpointError(f"{where}: the metadata of step {step} cannot be read ({type(meta).__name__}: {meta}); "
                               f"the checkpoint is partial or corrupted") from meta
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise CheckpointError(f"{where}: step {step} is not a Conduit-JAX plane checkpoint")
-    if meta.get("format_version") not in READABLE_VERSIONS:
+    if not isinstance(meta, dict) or meta.get("format") != format:
+        raise CheckpointError(f"{where}: step {step} is not a {what} checkpoint")
+    if meta.get("format_version") not in versions:
         raise CheckpointError(f"{where}: step {step} has format version {meta.get('format_version')!r}; this version "
-                              f"of conduit_jax reads versions {', '.join(map(str, READABLE_VERSIONS))}")
-    if meta["format_version"] >= 4 and meta.get("meta_crc32") != metadata_checksum(meta):
+                              f"of conduit_jax reads versions {', '.join(map(str, versions))}")
+    if meta["format_version"] >= signed_from and meta.get("meta_crc32") != metadata_checksum(meta):
         raise CheckpointError(f"{where}: the metadata of step {step} does not match its recorded checksum: it was "
                               f"edited or damaged after the save (a dtype, a leaf name, a count); restore another "
                               f"step or save again")
+    return meta
+
+
+def _read_meta(directory: str, step: int, where: str) -> dict:
+    meta = read_step_metadata(directory, step, where)
     if meta.get("kind") not in ("full", "incremental"):
         raise CheckpointError(f"{where}: step {step} has unknown kind {meta.get('kind')!r}")
     if not isinstance(meta.get("arrays"), dict) or not isinstance(meta.get("counts"), list):
@@ -906,8 +981,14 @@ def _read_meta_file(directory: str, step: int):
         return exc
 
 
-def _read_arrays(directory: str, step: int, meta: dict, targets: dict, where: str, timings: dict) -> dict:
-    """Read ``targets`` (name -> ShapeDtypeStruct with sharding) of one step and check shapes and digests."""
+def read_arrays(directory: str, step: int, meta: dict, targets: dict, where: str,
+                timings: Optional[dict] = None) -> dict:
+    """Read arrays of step ``step`` (``meta``: its metadata, from ``read_step_metadata``) straight into their
+    places: ``targets`` maps a name (as ``named_leaves`` gives it) to a ``jax.ShapeDtypeStruct`` with a sharding.
+    Each must be recorded with that shape and dtype, and must read back with its recorded CRC-32; else
+    ``CheckpointError`` naming the arrays. Returns name -> ``jax.Array``; ``timings`` (a dict) accumulates the
+    seconds of the read and of the verification."""
+    timings = {} if timings is None else timings
     import orbax.checkpoint as ocp
     recorded = meta["arrays"]
     for name, target in targets.items():
@@ -991,15 +1072,18 @@ def _plan_json(plan):
         return None
 
 
-def _schedule_json(schedule):
-    """A delivery schedule is plain data (a NamedTuple of name, depth, defer, adaptive): record its fields."""
+def schedule_json(schedule):
+    """A delivery schedule as JSON for a checkpoint's metadata: it is plain data (a NamedTuple of name, depth,
+    defer, adaptive), so its fields; None for no schedule (or one that is not plain data)."""
     if schedule is None or not hasattr(schedule, "_asdict"):
         return None
     fields = schedule._asdict()
     return fields if all(isinstance(v, (str, int, bool)) for v in fields.values()) else None
 
 
-def _schedule(meta, given, where):
+def schedule_from_json(meta, given, where):
+    """The schedule a restored plane runs: ``given`` if not None, else the one ``meta["schedule"]`` records
+    (``schedule_json``) rebuilt, else None; ``CheckpointError`` when the record cannot be rebuilt."""
     if given is not None:
         return given
     recorded = meta.get("schedule")
@@ -1094,7 +1178,9 @@ def _spec_from_json(recorded, given, where) -> ExperienceSpec:
 # ------------------------------------------------------------------------------------------------------------------
 # directories
 # ------------------------------------------------------------------------------------------------------------------
-def _directory(directory, where: str) -> str:
+def checked_directory(directory, where: str) -> str:
+    """``directory`` as an absolute path, checked to be (or to be able to become) a directory of checkpoint steps:
+    ``ConfigError`` for what is not a path, ``CheckpointError`` for a file (or a path under one)."""
     if not isinstance(directory, (str, os.PathLike)):
         raise ConfigError(f"{where}: directory must be a path, got {type(directory).__name__}")
     path = os.path.abspath(os.fspath(directory))
@@ -1123,7 +1209,7 @@ def _steps_on_disk(directory: str, include_unfinished: bool = False) -> list[int
 
 def all_steps(directory) -> list[int]:
     """The finished steps of a checkpoint directory, oldest first."""
-    return _steps_on_disk(_directory(directory, "all_steps()"))
+    return _steps_on_disk(checked_directory(directory, "all_steps()"))
 
 
 def latest_step(directory) -> Optional[int]:
@@ -1133,7 +1219,7 @@ def latest_step(directory) -> Optional[int]:
 
 def metadata(directory, step: Optional[int] = None) -> dict:
     """The JSON metadata of a step (default: the newest), e.g. to inspect a checkpoint without restoring it."""
-    directory = _directory(directory, "metadata()")
+    directory = checked_directory(directory, "metadata()")
     steps = _steps_on_disk(directory)
     if not steps:
         raise CheckpointError(f"metadata({directory}): no finished checkpoint in the directory")

@@ -21,11 +21,14 @@ batches go (e.g. the learner's half of the devices while the other half generate
 the move is a transfer after the kernel, overlapped like the rest.
 
 The plane plans every batch on the host (``rollouts.HostQueue``), so no call reads the device to decide.
+``plane.save(directory)`` checkpoints it (asynchronously) and ``RolloutPlane.restore(directory)`` rebuilds it bit for
+bit, delivering the batches it would have (``rollout_checkpoint``).
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import threading
 import time
 import weakref
@@ -274,6 +277,44 @@ class RolloutPlane:
                     "policy_version": queue.policy_version, "schedule": self.schedule.name,
                     "dispatches": dict(self.engine.dispatches), "compiles": dict(self.engine.compiles),
                     "stages": self.timeline.summary(), "exposed_path": self.timeline.exposed_path()}
+
+    # -- checkpoints ------------------------------------------------------------------------------------------------
+    def save(self, directory, *, step: Optional[int] = None, max_to_keep: Optional[int] = 3, block: bool = False):
+        """Checkpoint the plane as step ``step`` (default: one past the newest) of ``directory``, keeping the newest
+        ``max_to_keep`` steps (see ``rollout_checkpoint``). The staged groups are written first and the state is
+        copied under the plane's lock; a background thread writes the copy (``block=True``: done before this
+        returns). Returns a ``checkpoint.SaveHandle`` (``wait()``). Batches a prefetching schedule already drew
+        (``in_flight()``) are not in the state: the checkpoint does not hold them, and a ``ConduitWarning`` says how
+        many."""
+        from conduit_jax import rollout_checkpoint
+
+        @contextlib.contextmanager
+        def held():  # the plane still, with everything staged written (what the state property does)
+            with self._changed:
+                self._schedule.settle()
+                self.engine.flush(self.queue.policy_version)
+                yield self
+
+        return rollout_checkpoint.save(self, directory, held, step=step, max_to_keep=max_to_keep, block=block)
+
+    @classmethod
+    def restore(cls, directory, *, step: Optional[int] = None, schedule: Optional[schedule_lib.Schedule] = None,
+                mesh=None, learner_mesh=None, **expected) -> "RolloutPlane":
+        """A plane rebuilt from step ``step`` (default: the newest) of a checkpoint directory, bit-exact, its host
+        bookkeeping rebuilt from the state: it delivers the batches the saved plane would have. ``schedule``
+        (default: the recorded one), ``mesh`` (default: one device) and ``learner_mesh`` are the new plane's; any
+        other constructor argument given (``spec``, ``token_capacity``, ``layout``, ...) must equal the recorded
+        one. Raises ``CheckpointError`` for a missing, unfinished, corrupted or mismatching checkpoint."""
+        from conduit_jax import rollout_checkpoint
+
+        restored = rollout_checkpoint.read(directory, step=step, schedule=schedule, mesh=mesh, **expected)
+        plane = cls(**restored.settings, mesh=mesh, learner_mesh=learner_mesh)
+        with plane._changed:
+            plane.engine.state = restored.state
+            plane.queue = rollouts.HostQueue.from_state(plane.config, restored.state)
+            plane.masked_stale = restored.masked_stale
+            plane._changed.notify_all()  # a delivery worker may draw now
+        return plane
 
     def close(self) -> None:
         """Stop the delivery worker; prefetched batches stay deliverable. Idempotent."""

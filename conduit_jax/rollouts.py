@@ -593,6 +593,26 @@ class HostQueue:
         self.delivered = self.dropped_stale = self.dropped_overwritten = 0
         self._next = None  # next_batch(), kept until the queue changes (a check, then the draw, plan it once)
 
+    @classmethod
+    def from_state(cls, config: RolloutConfig, state: RolloutState) -> "HostQueue":
+        """The bookkeeping of a buffer whose state is ``state`` (device or host arrays, e.g. a restored checkpoint's;
+        read here): every value the queue keeps is in the state, so this equals the queue that followed the ingests
+        and deliveries which made it. Nothing may be staged (written to the queue, not yet to the state)."""
+        table = jax.device_get((state.length, state.version, state.span, state.live))
+        scalars = jax.device_get((state.cursor, state.written, state.read, state.policy_version, state.delivered,
+                                  state.dropped_stale, state.dropped_overwritten))
+        queue = cls(config)
+        groups, size = config.group_capacity, config.spec.group_size
+        for name, value, shape in (("length", table[0], (groups, size)), ("version", table[1], (groups,)),
+                                   ("span", table[2], (groups, 2)), ("live", table[3], (groups,))):
+            if np.shape(value) != shape:
+                raise ConfigError(f"HostQueue.from_state(): state.{name} has shape {np.shape(value)}, the config "
+                                  f"needs {shape}")
+            getattr(queue, name)[...] = value  # in the queue's own dtypes
+        (queue.cursor, queue.written, queue.read, queue.policy_version, queue.delivered, queue.dropped_stale,
+         queue.dropped_overwritten) = (int(value) for value in scalars)
+        return queue
+
     def set_policy_version(self, version: int) -> None:
         self.policy_version, self._next = int(version), None
 
