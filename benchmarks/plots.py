@@ -122,6 +122,11 @@ def markdown(path: Path) -> str:
             seen.add(r["contender"])
             parts.append(f"{r['contender']} {r['rss_over_raw']:.2f}")
         out += [f"Memory (RSS growth / raw {mem[0]['raw_bytes'] / 2**20:,.1f} MiB): " + ", ".join(parts) + ".", ""]
+    packing = [r for r in records if r.get("record") == "packing"]  # W8: useful / computed tokens of the batches
+    if packing:
+        out += ["Packing efficiency (useful / computed tokens): " + ", ".join(
+            f"{r['contender']} {r['efficiency']:.3f} ({r['batch_shape'][0]} x {r['batch_shape'][1]})"
+            for r in packing) + ".", ""]
     for r in records:
         if r.get("record") == "unavailable":
             reason = r["reason"] if len(r["reason"]) <= 200 else r["reason"][:200].rsplit(" ", 1)[0] + " ..."
@@ -135,10 +140,11 @@ def markdown(path: Path) -> str:
                 continue
             kind, value = g["kind"], g["value"]
             shown = (f"{value:.2f}x" if kind == "ratio" else f"{value * 100:.1f}% of memcpy" if kind == "memcpy"
-                     else f"{value:.2f}x raw" if kind == "memory" else f"{value:.0f}")
+                     else f"{value:.2f}x raw" if kind == "memory" else f"{value:.3f}" if kind == "packing"
+                     else f"{value:.0f}")
             miss = ""
             if not g["met"]:
-                miss = (f", missed by {(g['target'] - value) * 100:.1f} points" if kind == "memcpy" else
+                miss = (f", missed by {(g['target'] - value) * 100:.1f} points" if kind in ("memcpy", "packing") else
                         f", missed by {(g['by'] - 1) * 100:.0f}%" if g.get("by") else "")
             out.append(f"- {'met' if g['met'] else '**missed**'}: {g['goal']}: {shown}{miss}")
         out.append("")

@@ -2,10 +2,11 @@
 
   --quick          every workload small and few rounds: a CI smoke run, well under a minute on this host; writes
                    benchmarks/results/<workload>.quick.jsonl (and .quick.png) so it never replaces a full run's results
-  --only w1,w3     the workloads to run (default: all, w1..w7)
+  --only w1,w3     the workloads to run (default: all, w1..w8)
   --emulated-mesh  give the process 8 emulated CPU devices (XLA_FLAGS) so Conduit also runs on the 8-device mesh in
                    W1/W2: a correctness configuration, slower on a 2-core host; the headline row stays on 1 device
-  --capacity N, --rounds R   override the sizes of every selected workload (W4's rollout size is fixed)
+  --capacity N, --rounds R   override the sizes of every selected workload (W4's rollout size is fixed; W8's
+                   capacity is its token ring, in tokens)
   --no-plots       skip the PNG charts (benchmarks/plots.py; needs matplotlib)
   --results DIR    write the JSON lines (and plots) to DIR instead of benchmarks/results
   --xla-threads N|default   the XLA:CPU intra-op pool of every JAX contender; without it each workload gets its own
@@ -16,7 +17,9 @@ Workloads: w1 SAC uniform, w2 SAC PER, w3 Atari frames (batch 256 and 32), w4 PP
 w6 W1 on 1/2/4/8 emulated devices (run in a subprocess with XLA_FLAGS unless this process was started with 8 devices,
 e.g. ``--only w6`` or ``--emulated-mesh``), w7 a fully jitted DQN loop (env step, add, sample, priority update,
 learner step in one ``lax.scan``) with Conduit's functional buffer vs Flashbax's, uniform and PER, on 1 device, and
-Conduit alone on 8 emulated devices (in a subprocess: Flashbax has no sharded buffer). Each workload prints its
+Conduit alone on 8 emulated devices (in a subprocess: Flashbax has no sharded buffer), w8 LLM-RL rollouts (ingest a
+generation of 16 ragged token groups + deliver one learner batch of them, packed or padded, against NumPy, Flashbax,
+TorchRL and cpprb; ``--quick``: a pool of 3 generations, 2 rounds of 8 calls). Each workload prints its
 tables and goals and writes benchmarks/results/<workload>.jsonl (environment line first). Full sizes take several
 minutes per workload on 2 cores: run them one at a time (``--only``) on a shared machine. The exit status is non-zero
 when a workload fails (a contender that cannot run here is reported, not a failure).
@@ -31,7 +34,7 @@ import time
 import traceback
 from pathlib import Path
 
-WORKLOADS = ("w1", "w2", "w3", "w4", "w5", "w6", "w7")
+WORKLOADS = ("w1", "w2", "w3", "w4", "w5", "w6", "w7", "w8")
 DEVICE_FLAG = "--xla_force_host_platform_device_count=8"
 
 
@@ -97,7 +100,7 @@ def main(argv=None) -> int:
         else:
             os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + DEVICE_FLAG).strip()
 
-    from benchmarks import bench_w1, bench_w2, bench_w3, bench_w4, bench_w5, bench_w6, bench_w7, common
+    from benchmarks import bench_w1, bench_w2, bench_w3, bench_w4, bench_w5, bench_w6, bench_w7, bench_w8, common
 
     if args.xla_threads is not None:
         os.environ[common.XLA_THREADS_ENV] = args.xla_threads
@@ -120,6 +123,7 @@ def main(argv=None) -> int:
         "w5": lambda: bench_w5.run(bench_w5.settings_for(quick, cap, rounds)),
         "w6": lambda: bench_w6.run(common.Settings.for_run(quick, cap, rounds)),
         "w7": lambda: bench_w7.run(bench_w7.settings_for(quick, cap, rounds)),
+        "w8": lambda: bench_w8.run(bench_w8.settings_for(quick, cap, rounds)),
     }
     failed = []
     start = time.perf_counter()
