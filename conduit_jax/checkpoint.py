@@ -500,7 +500,6 @@ def named_leaves(tree) -> dict[str, jax.Array]:
     return {_key(path): leaf for path, leaf in flat}
 
 
-_named_leaves = named_leaves  # its name before rollout_checkpoint used it (tests/test_checkpoint.py)
 
 
 def _key(path) -> str:

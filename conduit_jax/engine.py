@@ -678,6 +678,15 @@ class RolloutEngine:
         self.dispatches: collections.Counter = collections.Counter()  # kernel name -> calls
         self._kernels: dict[tuple[str, int], Any] = {}
 
+    @property
+    def state(self) -> "rollouts.RolloutState":
+        return self._state
+
+    @state.setter
+    def state(self, state: "rollouts.RolloutState") -> None:
+        self._state = state
+        self.version = int(state.policy_version)  # the policy version the state holds (flush writes a newer one)
+
     def staged_groups(self) -> int:
         return sum(groups.lengths.shape[0] for groups in self.staged)
 
@@ -715,7 +724,8 @@ class RolloutEngine:
         kernel_name = f"{'staged+' if count else ''}{name}"
         self.dispatches[kernel_name] += 1
         with CompileScope(self.compiles, kernel_name):
-            self.state, out = self._kernel(name, count)(self.state, groups, np.int32(version), *plan)
+            self._state, out = self._kernel(name, count)(self._state, groups, np.int32(version), *plan)
+        self.version = version
         return out
 
     def deliver(self, plan: "rollouts.BatchPlan", version: int) -> "rollouts.RolloutBatch":
@@ -723,8 +733,9 @@ class RolloutEngine:
         return self._dispatch("deliver", version, plan)
 
     def flush(self, version: int) -> None:
-        """Write the staged groups (and the policy version) now."""
-        if self.staged:
+        """Write the staged groups and the policy version now (nothing when none is staged and the state holds
+        ``version`` already)."""
+        if self.staged or version != self.version:
             self._dispatch("flush", version)
 
 

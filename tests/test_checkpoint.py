@@ -474,7 +474,7 @@ KILL_CHILD = textwrap.dedent("""
     assert plane.engine.staging.count > 0  # acknowledged items still staged on the host: the save writes them first
     checkpoint.save(plane, directory, block=True)
     crcs = {name: checkpoint._crc32(np.asarray(leaf))
-            for name, leaf in checkpoint._named_leaves(jax.device_get(plane.state)).items()}
+            for name, leaf in checkpoint.named_leaves(jax.device_get(plane.state)).items()}
     with open(expected, "w") as f:
         json.dump(crcs, f)
     plane.ingest({"obs": rng.standard_normal((1 << 15, 256), np.float32)})
@@ -504,7 +504,7 @@ def test_a_save_killed_mid_write_leaves_the_previous_step_restorable(tmp_path):
         timings = {}
         restored = ExperienceDataPlane.restore(directory, mesh=default_mesh(1), timings=timings)
         crcs = {name: checkpoint._crc32(np.asarray(leaf))
-                for name, leaf in checkpoint._named_leaves(jax.device_get(restored.state)).items()}
+                for name, leaf in checkpoint.named_leaves(jax.device_get(restored.state)).items()}
         assert crcs == json.loads(expected.read_text())
         assert timings["total"] >= timings["read"] > 0
         del restored

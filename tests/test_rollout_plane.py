@@ -185,6 +185,8 @@ def test_after_a_version_switch_the_ingest_lays_out_the_next_batch_and_a_fresh_o
         (drawn,) = plane.in_flight()
         assert all(leaf.is_ready() for leaf in jax.tree_util.tree_leaves(drawn))  # computed before ingest returned
         assert plane.deliver(timeout=10.0) is drawn and int(drawn.groups) == 1
+        plane.set_policy_version(3)  # nothing staged: the state still says what the learner said
+        assert int(plane.state.policy_version) == 3
     finally:
         plane.close()
 
