@@ -5,13 +5,16 @@ stream, never across the write cursor's seam, starting anywhere in the stored st
 extra (and the ``bench`` one), so CI runs this; it is skipped only where TorchRL is not installed.
 """
 
+import importlib.util
+
 import numpy as np
 import pytest
 from scipy import stats
 
-pytest.importorskip("torchrl")
+from benchmarks import peers
 
-from benchmarks import peers  # noqa: E402
+# looked up, not imported: importing TorchRL takes seconds, paid in every test worker's collection otherwise
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("torchrl") is None, reason="TorchRL is not installed")
 
 STREAMS, LENGTH, BATCH, STEPS = 4, 8, 16, 64
 
