@@ -24,6 +24,7 @@ from ray.rllib.core.columns import Columns
 from ray.rllib.env.multi_agent_episode import MultiAgentEpisode
 from ray.rllib.env.single_agent_episode import SingleAgentEpisode
 from ray.rllib.env.utils.infinite_lookback_buffer import InfiniteLookbackBuffer
+from ray.rllib.utils.spaces.space_utils import get_base_struct_from_space
 
 EXACT = "exact__"  # prefix of the column that keeps a float64 column's values bit for bit
 _NARROW = {np.dtype(np.int64): np.dtype(np.int32), np.dtype(np.uint64): np.dtype(np.uint32),
@@ -420,8 +421,6 @@ class OneStepEpisodes:
     set directly. ``tests/test_rllib_adapter.py`` holds every slot and buffer attribute against the constructor's."""
 
     def __init__(self, observation_space, action_space):
-        from ray.rllib.utils.spaces.space_utils import get_base_struct_from_space
-
         self.spaces = {"obs": observation_space, "action": action_space, "reward": REWARDS_SPACE, "none": None}
         self.structs = {name: get_base_struct_from_space(space) for name, space in self.spaces.items()}
         self.direct = set(getattr(SingleAgentEpisode, "__slots__", ())) == EPISODE_SLOTS and all(
