@@ -617,17 +617,27 @@ class HostQueue:
         self.policy_version, self._next = int(version), None
 
     def _place(self, lengths: np.ndarray):
-        """(slot, begin, end) of each new group, and the stored groups the writes retire."""
-        capacity, places, retired = self.config.token_capacity, [], np.zeros_like(self.live)
-        cursor = self.cursor
-        for i, total in enumerate(np.clip(lengths, 1, self.config.spec.max_length).sum(axis=1)):
-            begin = 0 if cursor + total > capacity else cursor
-            slot = (self.written + i) % self.config.group_capacity
-            retired |= (self.span[:, 0] < begin + total) & (begin < self.span[:, 1])
-            retired[slot] = True
-            places.append((slot, begin, begin + total))
-            cursor = begin + total
-        return places, retired & self.live
+        """``(slots, begins, ends)`` of the new groups (int64[k] each) and the stored groups the writes retire
+        (bool[group_capacity])."""
+        capacity = self.config.token_capacity
+        totals = np.clip(lengths, 1, self.config.spec.max_length).sum(axis=1, dtype=np.int64)
+        ends = self.cursor + np.cumsum(totals)
+        begins = ends - totals
+        # a group that would run past the ring's end starts again at 0, and the ones after it follow on from there
+        # (more than once only when one call brings more tokens than the ring holds)
+        start = 0
+        while True:
+            past = np.flatnonzero(ends[start:] > capacity)
+            if not past.size:
+                break
+            first = start + past[0]
+            ends[first:] -= begins[first]
+            begins[first:] -= begins[first]
+            start = first + 1  # a group never holds more tokens than the ring
+        slots = (self.written + np.arange(totals.shape[0])) % self.config.group_capacity
+        retired = np.any((self.span[None, :, 0] < ends[:, None]) & (begins[:, None] < self.span[None, :, 1]), axis=0)
+        retired[slots] = True
+        return (slots, begins, ends), retired & self.live
 
     def _queued_slots(self) -> np.ndarray:
         """The slot of each queue position from the reader on, oldest first."""
@@ -653,16 +663,22 @@ class HostQueue:
     def ingest(self, lengths, versions) -> None:
         self._next = None
         lengths, versions = np.asarray(lengths), np.asarray(versions)
-        places, retired = self._place(lengths)
+        (slots, begins, ends), retired = self._place(lengths)
         self.dropped_overwritten += int(np.sum(retired & self.undelivered()))
         self.live &= ~retired
-        for i, (slot, begin, end) in enumerate(places):
-            # a later group of the same call may retire an earlier one (more tokens than the ring)
-            later = places[i + 1:]
-            self.live[slot] = not any(s == slot or (b < end and begin < e) for s, b, e in later)
-            self.length[slot], self.version[slot], self.span[slot] = lengths[i], versions[i], (begin, end)
-            self.cursor = end
-        self.written += len(places)
+        # a later group of the same call may retire an earlier one (its slot, or its tokens: more than the ring)
+        order = np.arange(slots.shape[0])
+        later = order[None, :] > order[:, None]
+        clobbered = np.any(later & ((slots[None, :] == slots[:, None])
+                                    | ((begins[None, :] < ends[:, None]) & (begins[:, None] < ends[None, :]))), axis=1)
+        # a slot is taken twice only by a call of more groups than slots: its last group is the one that stays
+        last = slice(max(0, slots.shape[0] - self.config.group_capacity), None)
+        self.live[slots[last]] = ~clobbered[last]
+        self.length[slots[last]], self.version[slots[last]] = lengths[last], versions[last]
+        self.span[slots[last], 0], self.span[slots[last], 1] = begins[last], ends[last]
+        if slots.shape[0]:
+            self.cursor = int(ends[-1])
+        self.written += slots.shape[0]
         self.read = max(self.read, self.written - self.config.group_capacity)
 
     def deliverable(self) -> int:
