@@ -48,6 +48,7 @@ from conduit_jax.errors import CapacityError, ConfigError, NotEnoughDataError
 
 DRAWN_VERSIONS_KEPT = 64  # recent draws whose groups' versions the plane keeps (a batch older than these is re-checked
 # on the device)
+RELEASED_BY_DRAWS = 4  # batches a plane holds after drawing them (see RolloutPlane._released_by_draws)
 STAGED_GROUPS_MAX = 256  # groups staged at most (and at most group_capacity): more are written by a kernel of their own
 
 
@@ -88,9 +89,14 @@ class RolloutPlane:
         self.engine = RolloutEngine(self.buffer)
         self.timeline = metrics.Timeline()
         self.masked_stale = 0  # sequences of prefetched batches masked at delivery (older than the bound by then)
-        # (batch, policy version of each group it took; -1: none) of recent draws, known from the host's plan: a
-        # batch re-checked at delivery after a version switch is then decided without reading the device
+        # (weak reference to a batch's versions array, policy version of each group it took; -1: none) of recent
+        # draws, known from the host's plan: a batch re-checked at delivery after a version switch is then decided
+        # without reading the device (weak: a delivered batch's memory is not held here)
         self._drawn_versions: collections.deque = collections.deque(maxlen=DRAWN_VERSIONS_KEPT)
+        # the batches drawn last, held so that a batch's device buffers are freed when a later draw pushes it out:
+        # on the drawing thread (the worker, under a prefetching schedule), not on the learner's thread in the
+        # instant it drops the batch (freeing a batch's arrays cost the learner ~60 us a step, as much as deliver())
+        self._released_by_draws: collections.deque = collections.deque(maxlen=RELEASED_BY_DRAWS)
         self._lock = CountedLock()
         self._changed = threading.Condition(self._lock)
         self._schedule = Scheduler(self.schedule, self._lock, group_capacity, self.timeline,
@@ -169,7 +175,9 @@ class RolloutPlane:
         self._changed.notify_all()  # groups left the queue: an ingest waiting for room may go on
         if self.learner_mesh is not None:
             batch = jax.device_put(batch, self._shardings_on_learner(batch))
-        self._drawn_versions.append((batch, np.where(plan.taken, self.queue.version[plan.slots], -1)))
+        self._drawn_versions.append((weakref.ref(batch.versions),
+                                     np.where(plan.taken, self.queue.version[plan.slots], -1)))
+        self._released_by_draws.append(batch)
         return batch
 
     def move_cost(self, topology) -> dict[str, float]:
@@ -227,7 +235,7 @@ class RolloutPlane:
         if eta is None:
             return batch
         oldest = self.queue.policy_version - eta
-        versions = next((v for drawn, v in self._drawn_versions if drawn is batch), None)
+        versions = next((v for drawn, v in self._drawn_versions if drawn() is batch.versions), None)
         if versions is not None and not np.any((versions >= 0) & (versions < oldest)):
             return batch  # every group it took is still fresh enough (its sequences are a subset of those groups')
         stale = batch.sequence_mask & (batch.versions < oldest)
