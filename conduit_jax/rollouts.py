@@ -717,14 +717,19 @@ class HostQueue:
             fits = True
             if packed:
                 trial, lengths = list(fill), self.length[slot].tolist()
+                placed_rows, placed_columns = [0] * size, [0] * size  # a member not placed keeps 0, as on the device
                 for member in sorted(range(size), key=lengths.__getitem__, reverse=True):  # stable: longest first
                     length = lengths[member]
-                    row = next((r for r, used in enumerate(trial) if used + length <= row_length), None)
-                    if row is None:
+                    most = row_length - length  # the fullest a row may be to take it
+                    for row, used in enumerate(trial):  # first fit
+                        if used <= most:
+                            break
+                    else:
                         fits = False
                         break
-                    rows[wanted, member], columns[wanted, member] = row, trial[row]
-                    trial[row] += length
+                    placed_rows[member], placed_columns[member] = row, used
+                    trial[row] = used + length
+                rows[wanted], columns[wanted] = placed_rows, placed_columns
                 if fits:
                     fill = trial
             else:
