@@ -53,6 +53,7 @@ max_length, so their batches are padded ([128, 256]) as ``conduit[padded]``'s an
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import os
 import time
@@ -231,6 +232,8 @@ class RolloutContender:
         return None
 
     def release(self) -> None:
+        """As ``peers.Contender.release``: a ``state`` holding JAX arrays is deleted, every attribute dropped."""
+        peers.delete_jax_arrays(self.__dict__.get("state"))
         self.__dict__.clear()
 
 
@@ -270,7 +273,7 @@ class ConduitRollouts(RolloutContender):
 
     def release(self) -> None:
         self.plane.close()
-        peers._delete_jax_arrays(self.plane.engine.state)
+        peers.delete_jax_arrays(self.plane.engine.state)
         super().release()
 
 
@@ -422,11 +425,7 @@ class FlashbaxGroups(RolloutContender):
         return self._jax.block_until_ready(self._newest(self.state))
 
     def jit_cache_entries(self) -> Optional[int]:
-        return peers._jit_cache(self._add, self._newest)
-
-    def release(self) -> None:
-        peers._delete_jax_arrays(self.state)
-        super().release()
+        return peers.jit_cache_size(self._add, self._newest)
 
 
 class TorchRLGroups(RolloutContender):
@@ -620,7 +619,7 @@ def build(config: Config, pool: list[dict], log: Optional[common.CompileLog] = N
         if only is not None and label not in only:
             continue
         try:
-            with (log.phase(label, "construct") if log is not None else common._null()):
+            with (log.phase(label, "construct") if log is not None else contextlib.nullcontext()):
                 c = make()
         except peers.Unavailable as exc:
             unavailable[label] = str(exc)

@@ -17,6 +17,7 @@ Conventions (STYLE.md, "Benchmarks"):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import datetime
 import gc
@@ -400,19 +401,11 @@ class Timings:
 
 def time_first_call(fn: Callable[[], Any], log: Optional[CompileLog], name: str, phase: str) -> float:
     """Seconds of one call (the first: tracing, compilation and first-touch included)."""
-    ctx = log.phase(name, phase) if log is not None else _null()
+    ctx = log.phase(name, phase) if log is not None else contextlib.nullcontext()
     with ctx:
         start = time.perf_counter()
         fn()
         return time.perf_counter() - start
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def interleaved(ops: dict[str, Callable[[], Any]], *, rounds: int, reps: int, warmup: int = 3,
@@ -427,7 +420,7 @@ def interleaved(ops: dict[str, Callable[[], Any]], *, rounds: int, reps: int, wa
     out = {name: Timings() for name in names}
     trim_memory()
     for name in names:  # a few untimed calls: caches, branch predictors, lazily built state
-        with (log.phase(name, phase + "-warmup") if log is not None else _null()):
+        with (log.phase(name, phase + "-warmup") if log is not None else contextlib.nullcontext()):
             for _ in range(warmup):
                 ops[name]()
     perf = time.perf_counter
@@ -440,7 +433,7 @@ def interleaved(ops: dict[str, Callable[[], Any]], *, rounds: int, reps: int, wa
             gc.disable()
             faults = minor_page_faults()
             try:
-                with (log.phase(name, phase) if log is not None else _null()):
+                with (log.phase(name, phase) if log is not None else contextlib.nullcontext()):
                     for i in range(reps):
                         start = perf()
                         op()

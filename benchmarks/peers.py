@@ -98,11 +98,12 @@ class Contender:
     def release(self) -> None:
         """Drop the buffer now (the driver frees each group of contenders before building the next): JAX arrays
         are deleted, every other attribute dropped. The contender is unusable afterwards."""
-        _delete_jax_arrays(self.__dict__.get("state"))
+        delete_jax_arrays(self.__dict__.get("state"))
         self.__dict__.clear()
 
 
-def _delete_jax_arrays(tree) -> None:
+def delete_jax_arrays(tree) -> None:
+    """Delete every JAX array of ``tree`` (None: nothing) now, instead of when the last reference goes."""
     if tree is None:
         return
     import jax
@@ -313,7 +314,8 @@ class CpprbPER(CpprbUniform):
 # ------------------------------------------------------------------------------------------------------------------
 # Flashbax (jitted as its users jit it: add donates the state, the sampling key is carried)
 # ------------------------------------------------------------------------------------------------------------------
-def _jit_cache(*fns) -> Optional[int]:
+def jit_cache_size(*fns) -> Optional[int]:
+    """Compiled entries in the caches of the jitted functions ``fns`` together (None where JAX does not say)."""
     try:
         return sum(fn._cache_size() for fn in fns)
     except AttributeError:
@@ -383,7 +385,7 @@ class FlashbaxUniform(Contender):
         return _tree_nbytes(self.state)
 
     def jit_cache_entries(self) -> Optional[int]:
-        return _jit_cache(self._add, *self._samplers.values())
+        return jit_cache_size(self._add, *self._samplers.values())
 
 
 class FlashbaxPER(Contender):
@@ -445,7 +447,7 @@ class FlashbaxPER(Contender):
         return _tree_nbytes(self.state)
 
     def jit_cache_entries(self) -> Optional[int]:
-        return _jit_cache(self._add, self._sample, self._update)
+        return jit_cache_size(self._add, self._sample, self._update)
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -677,7 +679,7 @@ class Conduit(Contender):
     def release(self) -> None:
         plane = self.__dict__.get("plane")
         if plane is not None:
-            _delete_jax_arrays(plane.state)
+            delete_jax_arrays(plane.state)
             plane.__dict__.clear()
         self.__dict__.clear()
 
@@ -811,7 +813,7 @@ class JaxShuffleEpochs(PPOContender):
         return None if self.state is None else _tree_nbytes(self.state)
 
     def jit_cache_entries(self) -> Optional[int]:
-        return _jit_cache(self._update)
+        return jit_cache_size(self._update)
 
 
 class TorchRLEpochs(PPOContender):
@@ -912,7 +914,7 @@ class ConduitFusedEpochs(PPOContender):
         return out
 
     def jit_cache_entries(self) -> Optional[int]:
-        return _jit_cache(self._fused)
+        return jit_cache_size(self._fused)
 
     def release(self) -> None:
         self.__dict__.clear()  # the plane is the wrapped contender's
@@ -1018,7 +1020,7 @@ class FlashbaxTrajectory(Contender):
         return _tree_nbytes(self.state)
 
     def jit_cache_entries(self) -> Optional[int]:
-        return _jit_cache(self._add, self._sample)
+        return jit_cache_size(self._add, self._sample)
 
 
 class TorchRLSequences(Contender):
