@@ -14,10 +14,10 @@ CRC-32, and the metadata's own CRC-32. Nothing is pickled. Numbering, the backgr
 mid-write leaves only orbax's tmp folder, which restore never reads) and retention (``max_to_keep``) are
 ``checkpoint.write_step``'s, so they behave as for an ``ExperienceDataPlane``.
 
-Save writes the staged groups and copies the state under the plane's lock (one on-device copy, dispatched; it holds
-the learner's latest policy version even if no kernel has written it yet); a background thread writes the copy while
-ingest and deliver go on. Restore rebuilds the plane from the recorded settings (the schedule unless one is given; on
-``mesh``, default one device; batches to ``learner_mesh``), reads every array into its place, checks its CRC-32, and
+Save writes the staged groups and the learner's latest policy version, and copies the state under the plane's lock
+(one on-device copy, dispatched); a background thread writes the copy while ingest and deliver go on. Restore
+rebuilds the plane from the recorded settings (the schedule unless one is given; on ``mesh``, default one device;
+batches to ``learner_mesh``), reads every array into its place, checks its CRC-32, and
 rebuilds the host's bookkeeping from the state (``rollouts.HostQueue.from_state``): the restored plane delivers the
 batches the saved one would have, bit for bit. It refuses (``CheckpointError``) a missing, unfinished or corrupted
 step (an array whose CRC-32 differs, metadata edited after the save) and any setting passed explicitly (``spec=``,
@@ -30,7 +30,6 @@ queue, so a restored plane does not deliver them; ``save`` warns (``ConduitWarni
 
 from __future__ import annotations
 
-import dataclasses
 import time
 import warnings
 import weakref
@@ -62,14 +61,14 @@ def save(plane, directory, held, *, step: Optional[int] = None, max_to_keep: Opt
          block: bool = False) -> SaveHandle:
     """Save ``plane`` (a ``RolloutPlane``) as step ``step`` (default: one past the newest) of ``directory``; returns a
     ``checkpoint.SaveHandle`` at once (``block=True``: once the step is on disk). ``held()`` is a context manager that
-    holds the plane still with its staged groups written (``RolloutPlane.save`` passes its own): the state, the
-    queue's policy version and the count of prefetched batches are read under it. See the module docstring."""
+    holds the plane still with its staged groups and the learner's policy version written (``RolloutPlane.save``
+    passes its own): the state and the count of prefetched batches are read under it. See the module docstring."""
     copy = _copy_kernel(plane)  # compiled here, outside the plane's lock
     in_flight = []
 
     def take():
         with held():
-            snapshot = copy(plane.engine.state, np.int32(plane.queue.policy_version))
+            snapshot = copy(plane.engine.state)
             in_flight.append(len(plane.in_flight()))
             meta = _metadata(plane)
         return snapshot, meta
@@ -87,18 +86,18 @@ def save(plane, directory, held, *, step: Optional[int] = None, max_to_keep: Opt
 
 
 def _copy_kernel(plane):
-    """The plane's state copied (its policy version set to the learner's), compiled once per buffer."""
+    """The plane's state copied, compiled once per buffer."""
     cached = _copies.get(plane)
     if cached is None or cached[0] is not plane.buffer:
         buffer = plane.buffer
 
-        def copy(state, version):
-            return dataclasses.replace(jax.tree.map(jnp.copy, state), policy_version=version)
+        def copy(state):
+            return jax.tree.map(jnp.copy, state)
 
         kernel = engine.compiled(copy, "rollout_checkpoint_copy", out_shardings=buffer.shardings)
         abstract = jax.tree.map(lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
                                 jax.eval_shape(buffer.init), buffer.shardings)
-        kernel.lower(abstract, jax.ShapeDtypeStruct((), jnp.int32)).compile()
+        kernel.lower(abstract).compile()
         cached = _copies[plane] = (buffer, kernel)
     return cached[1]
 

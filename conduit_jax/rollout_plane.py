@@ -261,11 +261,19 @@ class RolloutPlane:
     # -- the state, status ------------------------------------------------------------------------------------------
     @property
     def state(self) -> rollouts.RolloutState:
-        """The buffer's state with every staged group written (a kernel now if any are staged)."""
+        """The buffer's state with every staged group and the learner's policy version written (a kernel now if
+        either is not yet)."""
+        with self._written():
+            return self.engine.state
+
+    @contextlib.contextmanager
+    def _written(self):
+        """The plane held still (its lock), the worker settled, every staged group and the learner's policy version
+        in the state."""
         with self._changed:
             self._schedule.settle()
             self.engine.flush(self.queue.policy_version)
-            return self.engine.state
+            yield
 
     def __len__(self) -> int:
         """Groups that would still be delivered: stored (or staged), not drawn yet, fresh enough."""
@@ -296,14 +304,7 @@ class RolloutPlane:
         many."""
         from conduit_jax import rollout_checkpoint
 
-        @contextlib.contextmanager
-        def held():  # the plane still, with everything staged written (what the state property does)
-            with self._changed:
-                self._schedule.settle()
-                self.engine.flush(self.queue.policy_version)
-                yield self
-
-        return rollout_checkpoint.save(self, directory, held, step=step, max_to_keep=max_to_keep, block=block)
+        return rollout_checkpoint.save(self, directory, self._written, step=step, max_to_keep=max_to_keep, block=block)
 
     @classmethod
     def restore(cls, directory, *, step: Optional[int] = None, schedule: Optional[schedule_lib.Schedule] = None,
