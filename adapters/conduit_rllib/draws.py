@@ -7,10 +7,12 @@ Each ``make_*`` closes over static arguments and returns the pure step a store g
 arguments; ``buffer_for(batch)`` is the store's functional buffer drawing ``batch`` items.
 
 * ``make_draw``: n-step transitions, PER's redraw and importance weights; ``make_update_draw``: a priority update
-  and the draw after it in one kernel; ``make_sequences``: RLlib's ``[B, T]`` batch; ``make_slices``: the rows of
-  episode slices; ``link``: an add's links; ``with_adds``: a step after the adds' links and retirements.
-* On the host: ``candidate_count`` (how many steps PER's redraw draws), ``joined`` (one batch from several draws),
-  ``exact_values`` (float64 columns back bit for bit), ``to_host``.
+  and the draw after it in one kernel; ``make_gather``: n-step windows from given ring rows (the multi-agent
+  synchronized draw); both follow the links with ``follow_window`` and name the columns with ``window_columns``;
+  ``make_sequences``: RLlib's ``[B, T]`` batch; ``make_slices``: the rows of episode slices; ``link``: an add's
+  links; ``with_adds``: a step after the adds' links and retirements.
+* On the host: ``n_range`` (a request's n-steps), ``candidate_count`` (how many steps PER's redraw draws),
+  ``joined`` (one batch from several draws), ``exact_values`` (float64 columns back bit for bit), ``to_host``.
 
 For PER's redraw a draw takes more steps than the batch needs, as many as the share of fitting windows in earlier
 draws asks for (``candidate_count``), so one kernel suffices even when most of the priority mass sits on steps near an
@@ -21,7 +23,7 @@ joined, as RLlib resamples one step at a time.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -64,19 +66,38 @@ def candidate_count(need: int, share: float) -> int:
     return compile_size(target)
 
 
-def exact_values(host: dict, gamma: float) -> dict:
+def exact_values(host: dict, gamma: float, discounts: Optional[np.ndarray] = None) -> dict:
     """A drawn batch's float64 columns as they were added: bit patterns back to float64, and the n-step sums of
-    float64 rewards recomputed in float64 (RLlib's recursion, from the window's last reward back)."""
+    float64 rewards recomputed in float64 (RLlib's recursion, from the window's last reward back; with
+    ``discounts``, float64[B, longest], the k-th reward weighs ``discounts[:, k]``)."""
     for key in [k for k in host if k.startswith(EXACT)]:
         words = host.pop(key)
         if key == EXACT + "reward_window":
             rewards, used, total = unbits(words), host["n_step"], 0.0
             for k in range(rewards.shape[1] - 1, -1, -1):
-                total = np.where(k < used, rewards[:, k] + gamma * total, total)
+                if discounts is None:
+                    total = np.where(k < used, rewards[:, k] + gamma * total, total)
+                else:
+                    total = np.where(k < used, discounts[:, k] * rewards[:, k] + total, total)
             host[Columns.REWARDS] = np.asarray(total, np.float64)
         else:
             host[key[len(EXACT):]] = unbits(words)
     return host
+
+
+def n_range(name: str, n_step) -> tuple[int, int]:
+    """The n-steps to draw from, inclusive: RLlib's ``(low, high)`` draws n in ``[low, high)``; ``name`` names the
+    buffer in the error."""
+    if isinstance(n_step, (tuple, list)):
+        if len(n_step) != 2 or not all(isinstance(x, (int, np.integer)) for x in n_step) \
+                or not 1 <= n_step[0] < n_step[1]:
+            raise ValueError(f"{name}.sample(): an n_step range must be (low, high) ints with 1 <= low < high, "
+                             f"got {n_step!r}")
+        return int(n_step[0]), int(n_step[1]) - 1
+    n = 1 if n_step is None else n_step
+    if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 1:
+        raise ValueError(f"{name}.sample(): n_step must be an int >= 1 or a (low, high) range, got {n_step!r}")
+    return int(n), int(n)
 
 
 def joined(parts: list) -> Drawn:
@@ -136,55 +157,99 @@ def make_update_draw(update, draw):
     return update_draw
 
 
+class Window(NamedTuple):
+    """Each row's n-step window, followed through the links (``follow_window``)."""
+
+    last: jax.Array  # int32[B]: the ring row of the window's last step
+    used: jax.Array  # int32[B]: steps in the window (fewer than n where its episode's stored steps end)
+    fits: jax.Array  # bool[B]: all n steps are stored
+    ret: jax.Array  # float32[B]: the discounted reward sum
+    exact: list  # per step the float64 rewards' bits (uint32[B, 2]), when the rewards are float64
+
+
+def follow_window(buffer, state, links, rows, first: dict, n, longest: int, discount, exact_reward: bool) -> Window:
+    """Follow ``rows`` (ring rows; ``first``: their stored columns) through the links to their episode's next
+    steps, n per row (at most ``longest``, and no further than the episode's stored steps); the k-th step's reward
+    weighs ``discount(k)`` (k >= 1; the first step's weighs 1)."""
+    last, going, fits = rows, jnp.ones(rows.shape, jnp.bool_), jnp.ones(rows.shape, jnp.bool_)
+    ret, used = first["reward"].astype(jnp.float32), jnp.ones(rows.shape, jnp.int32)
+    exact = [first[EXACT + "reward"]] if exact_reward else []  # float64 rewards, bit for bit
+    for k in range(1, longest):
+        following = links[0, last]
+        step = going & (k < n) & (following >= 0)
+        fits = fits & ((k >= n) | step)
+        read = buffer.read(state, jnp.where(step, following, 0))
+        ret = ret + jnp.where(step, discount(k) * read["reward"], 0.0)
+        if exact_reward:
+            exact.append(jnp.where(step[:, None], read[EXACT + "reward"], 0))
+        last, used, going = jnp.where(step, following, last), used + step.astype(jnp.int32), step
+    return Window(last, used, fits, ret, exact)
+
+
+def window_columns(names, first: dict, end: dict, window: Window) -> dict:
+    """A transition's columns from its first step's stored columns, its window's last step's (``end``) and the
+    ``window``: o_t, a_t, the reward sum, o_(t+n) with its terminated / truncated, the steps used (``n_step``), the
+    float64 twins, the infos / extra_model_outputs of step t and the infos of o_(t+n)."""
+    names = set(names)
+    columns = {Columns.OBS: first["obs"], Columns.NEXT_OBS: end["next_obs"], Columns.ACTIONS: first["action"],
+               Columns.REWARDS: window.ret, Columns.TERMINATEDS: end["terminated"],
+               Columns.TRUNCATEDS: end["truncated"], "n_step": window.used}
+    for source, column, data in (("obs", Columns.OBS, first), ("next_obs", Columns.NEXT_OBS, end),
+                                 ("action", Columns.ACTIONS, first)):
+        if EXACT + source in names:
+            columns[EXACT + column] = data[EXACT + source]
+    if window.exact:
+        columns[EXACT + "reward_window"] = jnp.stack(window.exact, axis=1)  # [B, longest, 2]
+    columns.update({k: first[k] for k in names if k.startswith(("extra__", "info__", EXACT + "extra__",
+                                                                  EXACT + "info__"))})
+    columns.update({k: end[k] for k in names if k.startswith(("next_info__", EXACT + "next_info__"))})
+    return columns
+
+
 def make_draw(buffer_for, names, prioritized: bool, candidates: int, size: int, longest: int, redraw: bool):
     """One draw: ``candidates`` steps by priority, their n-step windows (n per candidate, at most ``longest``)
     followed through the links, the first ``size`` whose window fits (``redraw``: RLlib's PER resampling) or all of
     them (windows clipped at the episode's end), and the importance weights for ``beta`` (``prioritized``; else 1)."""
     buffer = buffer_for(candidates)
-    names = set(names)
-    at_start = [k for k in names if k.startswith(("extra__", "info__", EXACT + "extra__", EXACT + "info__"))]
-    at_end = [k for k in names if k.startswith(("next_info__", EXACT + "next_info__"))]  # the window's last step
-    exact_reward = EXACT + "reward" in names
+    exact_reward = EXACT + "reward" in set(names)
 
     def draw(state, links, n, beta, gamma, seed, counter):
         key = jax.random.fold_in(jax.random.key(seed), counter)
         state, delivery = buffer.sample(state)
         rows = delivery.ids[:, 0]
-        last, going, fits = rows, jnp.ones(rows.shape, jnp.bool_), jnp.ones(rows.shape, jnp.bool_)
-        ret, used = delivery.data["reward"].astype(jnp.float32), jnp.ones(rows.shape, jnp.int32)
-        window = [delivery.data[EXACT + "reward"]] if exact_reward else []  # float64 rewards, bit for bit
-        for k in range(1, longest):
-            following = links[0, last]
-            step = going & (k < n) & (following >= 0)
-            fits = fits & ((k >= n) | step)
-            read = buffer.read(state, jnp.where(step, following, 0))
-            ret = ret + jnp.where(step, jnp.power(gamma, k) * read["reward"], 0.0)
-            if exact_reward:
-                window.append(jnp.where(step[:, None], read[EXACT + "reward"], 0))
-            last, used, going = jnp.where(step, following, last), used + step.astype(jnp.int32), step
-        end = buffer.read(state, last)
+        window = follow_window(buffer, state, links, rows, delivery.data, n, longest, lambda k: jnp.power(gamma, k),
+                               exact_reward)
+        end = buffer.read(state, window.last)
         if redraw:
-            order = jnp.argsort(jnp.where(fits, jax.random.uniform(key, rows.shape), 2.0))[:size]
-            fitting = jnp.where(delivery.valid, jnp.sum(fits, dtype=jnp.int32), 0)
+            order = jnp.argsort(jnp.where(window.fits, jax.random.uniform(key, rows.shape), 2.0))[:size]
+            fitting = jnp.where(delivery.valid, jnp.sum(window.fits, dtype=jnp.int32), 0)
         else:  # every candidate, in random order: the host may drop the shard padding off the end
             order, fitting = jax.random.permutation(key, size), jnp.where(delivery.valid, size, 0)
         weights = jnp.power(delivery.weights, beta) if prioritized else jnp.ones(rows.shape, jnp.float32)
-        columns = {Columns.OBS: delivery.data["obs"], Columns.NEXT_OBS: end["next_obs"],
-                   Columns.ACTIONS: delivery.data["action"], Columns.REWARDS: ret,
-                   Columns.TERMINATEDS: end["terminated"], Columns.TRUNCATEDS: end["truncated"],
-                   "n_step": used, "weights": weights.astype(jnp.float32)}
-        for source, column, data in (("obs", Columns.OBS, delivery.data), ("next_obs", Columns.NEXT_OBS, end),
-                                     ("action", Columns.ACTIONS, delivery.data)):
-            if EXACT + source in names:
-                columns[EXACT + column] = data[EXACT + source]
-        if exact_reward:
-            columns[EXACT + "reward_window"] = jnp.stack(window, axis=1)  # [B, longest, 2]
-        columns.update({k: delivery.data[k] for k in at_start})
-        columns.update({k: end[k] for k in at_end})
+        columns = window_columns(names, delivery.data, end, window)
+        columns["weights"] = weights.astype(jnp.float32)
         columns = {k: v[order] for k, v in columns.items()}
         return state, columns, delivery.ids[order], (fitting >= size) & delivery.valid, fitting
 
     return draw
+
+
+def make_gather(buffer_for, names, size: int, longest: int):
+    """The synchronized multi-agent draw's rows of one module: for ``size`` given ring rows (the agent steps taken at
+    the drawn env steps; padding rows are dropped by the host), each row's window of ``steps`` agent steps (at most
+    ``longest``) followed through the links, the k-th step's reward weighing ``discounts[:, k]`` (gamma to the env
+    steps from the drawn one to the one the agent acted at), as ``window_columns``; weights and ``n_step`` (env
+    steps) are the host's."""
+    buffer = buffer_for(size)
+    exact_reward = EXACT + "reward" in set(names)
+
+    def gather(state, links, rows, steps, discounts):
+        first = buffer.read(state, rows)
+        window = follow_window(buffer, state, links, rows, first, steps, longest, lambda k: discounts[:, k],
+                               exact_reward)
+        return state, window_columns(names, first, buffer.read(state, window.last), window)
+
+    return gather
 
 
 def make_sequences(buffer_for, names, size: int, length: int):

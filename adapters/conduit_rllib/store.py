@@ -188,7 +188,7 @@ class EpisodeStore:
         self._given = set()
         self._links = jnp.full((3, self.storage_capacity), -1, jnp.int32)
 
-    _OUTPUTS = {"settle": 0, "draw": 4, "update_draw": 4, "sequences": 1, "slices": 4}  # outputs after the links
+    _OUTPUTS = {"settle": 0, "draw": 4, "update_draw": 4, "sequences": 1, "slices": 4, "gather": 1}  # after links
 
     def _call(self, kind: str, static: tuple, *args) -> list:
         """Run step ``kind`` for ``static`` in the engine's kernel: the pending priority updates, the staged rows,
@@ -207,7 +207,7 @@ class EpisodeStore:
         if kind in ("draw", "update_draw"):
             draw = draws.make_draw(self._buffer, self._spec.names, self._prioritized, *static)
             return draws.make_update_draw(self._buffer(self.num_shards).update, draw) if kind == "update_draw" else draw
-        make = {"sequences": draws.make_sequences, "slices": draws.make_slices}[kind]
+        make = {"sequences": draws.make_sequences, "slices": draws.make_slices, "gather": draws.make_gather}[kind]
         return make(self._buffer, self._spec.names, *static)
 
     def _waiting_adds(self) -> tuple:
@@ -509,18 +509,8 @@ class EpisodeStore:
         return Drawn(request, columns, ids, enough, fitting, candidates)
 
     def n_range(self, n_step) -> tuple[int, int]:
-        """The n-steps to draw from, inclusive: RLlib's ``(low, high)`` draws n in ``[low, high)``."""
-        name = self._label
-        if isinstance(n_step, (tuple, list)):
-            if len(n_step) != 2 or not all(isinstance(x, (int, np.integer)) for x in n_step) \
-                    or not 1 <= n_step[0] < n_step[1]:
-                raise ValueError(f"{name}.sample(): an n_step range must be (low, high) ints with 1 <= low < high, "
-                                 f"got {n_step!r}")
-            return int(n_step[0]), int(n_step[1]) - 1
-        n = 1 if n_step is None else n_step
-        if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 1:
-            raise ValueError(f"{name}.sample(): n_step must be an int >= 1 or a (low, high) range, got {n_step!r}")
-        return int(n), int(n)
+        """The n-steps to draw from, inclusive (``draws.n_range``)."""
+        return draws.n_range(self._label, n_step)
 
     def _log_sample(self, steps: int, mean_n: Optional[float], resamples: int, episodes: int = 0,
                     unique_steps: Optional[int] = None) -> None:
@@ -544,6 +534,14 @@ class EpisodeStore:
         records, starts = self._index.records_at(np.asarray(drawn.ids)[:, 0])
         return transitions(records, starts, host, self._keys, (self.observation_space, self.action_space), to_numpy,
                            infos, extras)
+
+    def ring_rows(self, episode_id) -> np.ndarray:
+        """The ring rows of a stored episode's steps, oldest first (they stay put until the episode is evicted)."""
+        return self._rows(self._index.live[episode_id].items())
+
+    def gather(self, rows: np.ndarray, steps: np.ndarray, discounts: np.ndarray) -> dict:
+        """``draws.make_gather``'s columns for ring ``rows`` (int32[R]: R a ``compile_size``), after what waits."""
+        return self._call("gather", (rows.shape[0], discounts.shape[1]), rows, steps, discounts)[0]
 
     # -- priorities ---------------------------------------------------------------------------------------------
     def update_priorities(self, priorities, module_id: Optional[str] = None) -> None:
