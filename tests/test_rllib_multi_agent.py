@@ -249,8 +249,16 @@ def test_refusals_name_the_problem_and_change_nothing(cls):
     with pytest.raises(ValueError, match=r"obs is float32\[3\] per step, the buffer stores float32\[\]"):
         buffer.add([episode(rng, 5, "F"), wider])
     assert counts(buffer) == before
-    with pytest.raises(NotImplementedError, match="synchronized"):
-        buffer.sample(batch_size_B=4, replay_mode="synchronized")
+    with pytest.raises(ValueError, match="replay_mode must be"):
+        buffer.sample(batch_size_B=4, replay_mode="sideways")
+    with pytest.raises(NotImplementedError, match="batch_length_T=8"):
+        buffer.sample(batch_size_B=4, batch_length_T=8, replay_mode="synchronized")
+    with pytest.raises(ValueError, match="modules_to_sample.*'nope'"):
+        buffer.sample(batch_size_B=4, replay_mode="synchronized", modules_to_sample=["nope"])
+    with pytest.raises(ValueError, match="no stored env step .* n_step=21"):  # A has 20 env steps
+        buffer.sample(batch_size_B=4, replay_mode="synchronized", n_step=21)
+    with pytest.raises(ValueError, match="n_step"):
+        buffer.sample(batch_size_B=4, replay_mode="synchronized", n_step=(3, 3))
     with pytest.raises(NotImplementedError, match="RLlib's multi-agent buffers ignore both"):
         buffer.sample(batch_size_B=4, batch_length_T=8)
     with pytest.raises(ValueError, match="nope"):
@@ -281,10 +289,11 @@ def test_a_module_outgrowing_its_ring_is_refused_naming_agents_per_module(cls):
     assert roomy.get_num_timesteps("shared") == 22 and [e.id_ for e in roomy.episodes] == ["B"]
 
 
-def test_rllibs_synchronized_mode_which_ours_refuses_drops_every_last_transition():
-    """Why replay_mode="synchronized" is refused rather than copied: RLlib 2.60's own synchronized sampler never
-    draws an episode's last transition, so no row is ever terminated, and its weights / n_step columns come back
-    empty. (A ray upgrade that fixes it makes this test fail: then build the mode.)"""
+def test_rllibs_synchronized_mode_drops_every_last_transition():
+    """Why the Conduit buffers' replay_mode="synchronized" does not copy RLlib's: RLlib 2.60's own synchronized
+    sampler never draws an episode's last transition, so no row is ever terminated, and its weights / n_step columns
+    come back empty; ours draws every env step whose window fits (``test_synchronized_sample_...``). (A ray upgrade
+    that fixes it makes this test fail: then compare the two modes' rows directly.)"""
     agents = MODULES
     native = MultiAgentEpisodeReplayBuffer(capacity=1_000)
     for k in range(5):
@@ -299,3 +308,127 @@ def test_rllibs_synchronized_mode_which_ours_refuses_drops_every_last_transition
     assert set(next_obs.tolist()) == {1.0, 2.0, 3.0, 4.0, 5.0}  # never 6.0, the terminal observation
     assert not np.concatenate([r["terminateds"] for r in rows]).any()
     assert all(len(r["weights"]) == 0 and len(r["n_step"]) == 0 for r in rows)
+
+
+# -- synchronized sampling --------------------------------------------------------------------------------------------
+# Both tests below build buffers of one layout (capacity 30, the same columns), add one episode at a time and sample
+# batches of 16 with n_step=2 and one module at a time or both: they share two compiled gather kernels.
+SYNC = {"a": "module_1", "b": "module_2"}
+GAMMA = 0.9
+
+
+def reward(agent, s):
+    """The reward an agent receives for env step s -> s + 1."""
+    return 0.01 * (s + 1) * (1 if agent == "a" else 3)
+
+
+def scheduled(k, length, end):
+    """Episode ``S<k>``: agent a acts at every env step, b is observed at the even env steps and the last one and
+    acts at each of them but the last; every observation is ``100 k + env step``, every action the env step, and
+    the episode ends ``end`` ("terminated" / "truncated") at env step ``length``."""
+    e = MultiAgentEpisode(id_=f"S{k}", observations=[{a: 100.0 * k for a in SYNC}], agent_module_ids=dict(SYNC))
+    for s in range(length):
+        last = s == length - 1
+        seen = [a for a in SYNC if a == "a" or (s + 1) % 2 == 0 or last]
+        done = {a: last for a in SYNC} | {"__all__": last}  # (RLlib calls an episode whose agents are all
+        e.add_env_step(observations={a: 100.0 * k + s + 1 for a in seen},  # truncated terminated: "__all__" only)
+                       actions={a: s for a in SYNC if a == "a" or s % 2 == 0},
+                       rewards={a: reward(a, s) for a in SYNC}, infos={a: {} for a in seen},
+                       terminateds=done if end == "terminated" else {},
+                       truncateds={"__all__": last} if end == "truncated" else {})
+    return e
+
+
+def reference_row(agent, k, t, n, length, end):
+    """What a synchronized row of ``agent`` at env step t of episode ``S<k>`` holds, from the schedule alone: None
+    unless the agent acts at t and is observed at t + n; else obs, action, reward (each agent step's rewards
+    discounted by gamma to the env steps from t to the step it acted at), next obs, terminated, truncated."""
+    observed = [s for s in range(length + 1) if agent == "a" or s % 2 == 0 or s == length]
+    if t not in observed or t == length or t + n not in observed:
+        return None
+    steps = [s for s in observed if t <= s <= t + n]
+    total = sum(GAMMA ** (begin - t) * sum(reward(agent, s) for s in range(begin, after))
+                for begin, after in zip(steps, steps[1:]))
+    final = t + n == length
+    return (100.0 * k + t, t, total, 100.0 * k + t + n, final and end == "terminated", final and end == "truncated")
+
+
+def test_synchronized_sample_against_a_reference():
+    """``replay_mode="synchronized"``: B env steps drawn among those whose 2-step window fits for a module sampled;
+    every agent of a module sampled that acts there and is observed 2 env steps later gives one row, in draw order
+    (b skips odd env steps, so its windows of one agent step hold two env steps' rewards); terminal transitions are
+    drawn and marked; weights 1, n_step 2; counters as RLlib's test expects; evicted episodes never drawn."""
+    rng = np.random.default_rng(11)
+    buffer = conduit_rllib.ConduitMultiAgentEpisodeReplayBuffer(capacity=30)
+    stored, sampled, terminal = {}, {"module_1": 0, "module_2": 0}, set()
+    for k in range(9):
+        length, end = int(rng.integers(9, 13)), ("terminated", "truncated")[k % 2]
+        stored[k] = (length, end)
+        buffer.add(scheduled(k, length, end))
+        live = {int(e.id_[1:]) for e in buffer.episodes}
+        for modules in (["module_1"], ["module_2"], None):
+            out = buffer.sample(batch_size_B=16, n_step=2, gamma=GAMMA, replay_mode="synchronized",
+                                modules_to_sample=modules)
+            assert set(out) <= set(modules or SYNC.values()) and (modules is None or set(out) == set(modules))
+            drawn = {}
+            for module_id, columns in out.items():
+                agent = {v: a for a, v in SYNC.items()}[module_id]
+                rows = len(columns["obs"])
+                assert all(len(columns[key]) == rows for key in ("actions", "rewards", "new_obs", "terminateds",
+                                                                  "truncateds", "weights", "n_step"))
+                sampled[module_id] += rows
+                drawn[module_id] = []
+                for i in range(rows):
+                    episode_k, t = divmod(int(columns["obs"][i]), 100)
+                    assert episode_k in live
+                    expected = reference_row(agent, episode_k, t, 2, *stored[episode_k])
+                    assert expected is not None, (module_id, episode_k, t)
+                    got = (columns["obs"][i], columns["actions"][i], columns["rewards"][i], columns["new_obs"][i],
+                           bool(columns["terminateds"][i]), bool(columns["truncateds"][i]))
+                    assert got[1:2] + got[4:] == expected[1:2] + expected[4:], (module_id, episode_k, t)
+                    assert np.allclose(got[:1] + got[2:4], expected[:1] + expected[2:4], atol=TOLERANCE, rtol=0)
+                    assert columns["weights"][i] == 1.0 and columns["n_step"][i] == 2
+                    drawn[module_id].append((episode_k, t))
+                    if got[4] or got[5]:
+                        terminal.add(module_id)
+            if modules is None:  # a acts at every env step: one module_1 row per draw, module_2's where b fits
+                assert len(drawn["module_1"]) == 16
+                fits = [(e, t) for e, t in drawn["module_1"] if reference_row("b", e, t, 2, *stored[e])]
+                assert drawn.get("module_2", []) == fits
+            elif modules == ["module_2"]:
+                assert len(drawn["module_2"]) == 16
+        assert buffer.get_sampled_timesteps() == 16 * 3 * (k + 1)
+        assert {m: buffer.get_sampled_timesteps(m) for m in sampled} == sampled
+    assert buffer.get_num_episodes_evicted() > 0 and terminal == {"module_1", "module_2"}
+
+
+def test_synchronized_draws_env_steps_uniformly():
+    """Every env step whose 2-step window fits for agent a is drawn with the same probability, whatever its
+    episode's length (chi-square over 1,600 draws, fixed seed; p > 0.001)."""
+    rng = np.random.default_rng(12)
+    buffer = conduit_rllib.ConduitMultiAgentEpisodeReplayBuffer(capacity=30, seed=3)
+    for k in range(5):
+        buffer.add(scheduled(k, int(rng.integers(9, 13)), "terminated"))
+        buffer.sample(batch_size_B=16, n_step=2, replay_mode="synchronized", modules_to_sample=["module_1"])
+    cells = {(int(e.id_[1:]), t): 0 for e in buffer.episodes for t in range(len(e) - 1)}
+    for _ in range(100):
+        out = buffer.sample(batch_size_B=16, n_step=2, replay_mode="synchronized", modules_to_sample=["module_1"])
+        for obs in out["module_1"]["obs"]:
+            cells[divmod(int(obs), 100)] += 1
+    observed = np.array(list(cells.values()), np.float64)
+    expected = observed.sum() / observed.size
+    chi2 = float(np.sum((observed - expected) ** 2 / expected))
+    from scipy import stats
+    assert observed.sum() == 1600 and stats.chi2.sf(chi2, observed.size - 1) > 1e-3, (chi2, observed)
+
+
+def test_synchronized_prioritized_draws_uniformly_and_updates_no_priorities():
+    """The prioritized class draws synchronized batches as the uniform one (weights 1 whatever beta) and refuses a
+    priority update after one (it would name no independent batch)."""
+    buffer = conduit_rllib.ConduitMultiAgentPrioritizedEpisodeReplayBuffer(capacity=30)
+    buffer.add(scheduled(0, 9, "terminated"))
+    out = buffer.sample(batch_size_B=16, n_step=2, beta=1.0, replay_mode="synchronized",
+                        modules_to_sample=["module_1"])
+    assert np.all(out["module_1"]["weights"] == 1.0) and len(out["module_1"]["obs"]) == 16
+    with pytest.raises(ValueError, match="synchronized"):
+        buffer.update_priorities(np.ones(16), "module_1")

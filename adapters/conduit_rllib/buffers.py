@@ -77,16 +77,27 @@ RLlib would and computes the weights. An ``add`` that would overwrite a step RLl
   with RLlib's overall and per-module counts (``get_num_timesteps(module_id)`` counts that module's agent steps).
   Each module's agent steps live in their own Conduit buffer (its own sum tree, largest priority and weight
   normalisation), whose ring holds ``2 * capacity`` steps per agent the module serves (``agents_per_module``
-  overrides the count taken from the first episode). ``sample()`` is RLlib's independent mode: ``B`` transitions per
-  module (``modules_to_sample``), as 1-step single-agent episodes naming their agent, module and multi-agent
-  episode; a window past its episode's end is redrawn, as RLlib does in both multi-agent classes.
+  overrides the count taken from the first episode). ``sample()`` is RLlib's independent mode by default: ``B``
+  transitions per module (``modules_to_sample``), as 1-step single-agent episodes naming their agent, module and
+  multi-agent episode; a window past its episode's end is redrawn, as RLlib does in both multi-agent classes.
   ``update_priorities(td, module_id)`` as RLlib's DQN calls it; the schedules work per module.
+* **Synchronized multi-agent sampling** (``replay_mode="synchronized"``, both multi-agent classes): ``B`` env steps
+  drawn uniformly (with replacement) among the stored env steps t at which an agent of a module sampled acted and is
+  observed again n env steps later; each such agent gives its module one row ``o_t, a_t, G, o_(t+n)`` (``G``: its
+  rewards in the window, each agent step's discounted by gamma to the env steps from t to the one it acted at: the
+  n-step return for an agent that acts at every env step), terminated / truncated when ``o_(t+n)`` ends the
+  agent's episode, ``weights`` 1, ``n_step`` n. It returns RLlib's dict module id -> NumPy columns (``obs``,
+  ``actions``, ``rewards``, ``new_obs``, ``terminateds``, ``truncateds``, ``weights``, ``n_step``; ``infos`` of
+  ``o_(t+n)`` and the extra_model_outputs of step t as their own columns when asked), rows in draw order, a module
+  without rows left out; ``get_sampled_timesteps()`` grows by ``B``, each module's count by its rows. Where RLlib
+  2.60's differs: it never draws an episode's last transition (so never marks a row terminated), counts an env
+  step whose agents are all in other modules towards ``B``, and returns empty ``weights`` / ``n_step`` columns. The
+  prioritized class draws these batches uniformly too (weights 1 whatever ``beta``) and refuses an
+  ``update_priorities`` after one.
 
 Not supported (``NotImplementedError``): sequences from the prioritized buffer and the multi-agent ones (any
 ``batch_length_T`` > 1 or ``lookback``; RLlib 2.60's own prioritized and multi-agent buffers ignore both and return
-1-step transitions, so a refusal says so instead), the multi-agent ``replay_mode="synchronized"`` (RLlib 2.60's
-never draws an episode's last transition, never marks a row terminated and returns empty ``weights`` / ``n_step``
-columns; RLlib's DQN samples ``"independent"``), non-array observations (Dict / Tuple spaces); ``deliver="torch"``
+1-step transitions, so a refusal says so instead), non-array observations (Dict / Tuple spaces); ``deliver="torch"``
 is single-agent only.
 """
 
@@ -142,8 +153,8 @@ class ConduitPrioritizedEpisodeReplayBuffer(EpisodeStore, PrioritizedEpisodeRepl
 
 
 class ConduitMultiAgentEpisodeReplayBuffer(MultiAgentStore, MultiAgentEpisodeReplayBuffer):
-    """Uniform multi-agent replay (RLlib's ``MultiAgentEpisodeReplayBuffer``, independent sampling) in Conduit's
-    functional core: one store per module; ``weights`` are all 1."""
+    """Uniform multi-agent replay (RLlib's ``MultiAgentEpisodeReplayBuffer``, independent or synchronized sampling)
+    in Conduit's functional core: one store per module; ``weights`` are all 1."""
 
     def __init__(self, capacity: int = 10000, **kwargs):
         super().__init__(capacity, prioritized=False, adaptive_rule=adaptive_choice, **kwargs)
@@ -151,7 +162,8 @@ class ConduitMultiAgentEpisodeReplayBuffer(MultiAgentStore, MultiAgentEpisodeRep
 
 class ConduitMultiAgentPrioritizedEpisodeReplayBuffer(MultiAgentStore, MultiAgentPrioritizedEpisodeReplayBuffer):
     """Prioritized multi-agent replay (RLlib's ``MultiAgentPrioritizedEpisodeReplayBuffer``, independent sampling):
-    one sum tree per module, new steps at the module's largest priority, weights normalised per module."""
+    one sum tree per module, new steps at the module's largest priority, weights normalised per module; its
+    synchronized batches are drawn uniformly over env steps (weights 1) and take no priority update."""
 
     def __init__(self, capacity: int = 10000, **kwargs):
         super().__init__(capacity, prioritized=True, adaptive_rule=adaptive_choice, **kwargs)

@@ -5,8 +5,20 @@ Each module's agent steps live in their own ``EpisodeStore`` (its own ring, sum 
 normalisation), whose ring holds ``2 * capacity`` steps per agent the module serves; this module keeps the
 multi-agent episode index (``StoredMultiAgentEpisode``, ``AgentSteps``), RLlib's eviction rule for multi-agent
 episodes (once per ``add``, whole oldest episodes), RLlib's overall and per-module counts and metrics, and samples
-RLlib's independent mode: each module's store draws its batch (a step whose window runs past its episode's end is
-redrawn, as RLlib does in both multi-agent classes).
+in RLlib's two modes:
+
+* ``"independent"``: each module's store draws its batch (a step whose window runs past its episode's end is
+  redrawn, as RLlib does in both multi-agent classes).
+* ``"synchronized"`` (``MultiAgentStore._sample_synchronized``; ``buffers.py`` says how it differs from RLlib
+  2.60's): env steps drawn uniformly on the host among those where an agent of a module sampled has a whole n-step
+  window, then one gather kernel per module (``EpisodeStore.gather``, ``draws.make_gather``) reads the agents'
+  windows from the module's ring, following its links as the independent draw does. The env step -> agent step ->
+  ring row mapping is host bookkeeping: each stored episode keeps, per agent, the env steps at which each of its
+  stored steps acted and was observed next (``agent_env_steps``, from RLlib's ``env_t_to_agent_t``; chunks of an
+  episode continue its env steps), and the windows of n env steps they give (``agent_windows``) are tabled with
+  their ring rows (``EpisodeStore.ring_rows``) per n and modules until the next ``add`` (evictions included) or
+  ``set_state``. Both classes draw these uniformly (weights 1); the prioritized one takes no priority update after
+  a synchronized batch. An agent whose steps RLlib's episode does not map to env steps one to one gives no rows.
 """
 
 from __future__ import annotations
@@ -17,12 +29,14 @@ import time
 from typing import Any, Callable, NamedTuple, Optional, Union
 
 import numpy as np
+from ray.rllib.core.columns import Columns
 from ray.rllib.env.multi_agent_episode import MultiAgentEpisode
 from ray.rllib.utils import force_list
 from ray.rllib.utils.metrics.metrics_logger import MetricsLogger
 from ray.rllib.utils.replay_buffers.episode_replay_buffer import EpisodeReplayBuffer
 
-from conduit_rllib.draws import Request
+from conduit_jax.replay import compile_size
+from conduit_rllib.draws import Request, exact_values, n_range, to_host
 from conduit_rllib.store import STATE_VERSION, EpisodeStore, adaptive_choice
 
 MULTI_AGENT_STATE_FORMAT = "conduit_rllib.multi_agent_episode_replay_buffer"
@@ -43,15 +57,69 @@ class AgentSteps(NamedTuple):
 @dataclasses.dataclass
 class StoredMultiAgentEpisode:
     """A multi-agent episode the buffer keeps (what ``buffer.episodes`` lists): its id, the env steps and agent
-    steps stored, and each agent's part (``agents``: agent id -> ``AgentSteps``)."""
+    steps stored, and each agent's part (``agents``: agent id -> ``AgentSteps``). ``env_t``: agent id ->
+    int64[2, steps], for each of its stored steps the env step (from the stored episode's first) at which the agent
+    acted and the one at which it was observed next (-1, -1 where RLlib's episode did not say)."""
 
     id_: Any
     env_steps: int = 0
     agent_steps: int = 0
     agents: dict = dataclasses.field(default_factory=dict)
+    env_t: dict = dataclasses.field(default_factory=dict)
 
     def __len__(self) -> int:
         return self.env_steps
+
+
+def agent_env_steps(episode: MultiAgentEpisode, agent_id) -> np.ndarray:
+    """int64[2, steps]: for each step of ``agent_id``'s chunk in ``episode`` the env step (of the chunk, from 0) at
+    which the agent acted and the one at which it was observed next, from the episode's ``env_t_to_agent_t``; -1
+    where that mapping does not give each of the chunk's observations one env step, in order. An agent done before
+    the env has its final observation listed after the env's last step: it counts at the last step."""
+    agent, last = episode.agent_episodes[agent_id], episode.env_steps()
+    steps = len(agent)
+    at = np.full(steps + 1, -1, np.int64)
+    mapping = episode.env_t_to_agent_t.get(agent_id)
+    if mapping is not None:
+        for position, value in enumerate(list(mapping.data)[mapping.lookback:]):
+            if str(value) != MultiAgentEpisode.SKIP_ENV_TS_TAG and 0 <= int(value) - agent.t_started <= steps:
+                at[int(value) - agent.t_started] = min(position, last)
+    if (at < 0).any() or (np.diff(at) <= 0).any():
+        return np.full((2, steps), -1, np.int64)
+    return np.stack([at[:-1], at[1:]])
+
+
+def agent_windows(env_t: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """The windows of n env steps an agent's stored steps give (``env_t`` as ``StoredMultiAgentEpisode.env_t``): the
+    first step k of each (the agent acted at env step ``env_t[0, k]`` = t) and the steps it takes (the agent is
+    observed at t + n after them, each step starting where the one before ended)."""
+    start, end = env_t
+    if start.size == 0:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    # runs of steps each starting where the one before ended; within a run the end env steps increase
+    run = np.concatenate([[0], np.cumsum((start[1:] != end[:-1]) | (start[1:] < 0))])
+    span = int(max(end.max(), start.max())) + n + 2
+    ordered = run * span + end
+    target = run * span + start + n
+    j = np.minimum(np.searchsorted(ordered, target), start.size - 1)
+    fits = (start >= 0) & (ordered[j] == target)
+    first = np.flatnonzero(fits)
+    return first, j[fits] - first + 1
+
+
+class Windows(NamedTuple):
+    """The synchronized draw's candidates for one n and set of modules: the fitting env steps and, for each, the
+    agent windows that start there (one row each), sorted by env step, module, agent."""
+
+    keys: np.ndarray  # int64[E]: the fitting env steps (stored episode number << 32 | env step), ascending
+    first: np.ndarray  # int64[E]: each one's first window
+    count: np.ndarray  # int64[E]: its windows
+    module: np.ndarray  # int64[W]: the window's module (its place in the modules sampled)
+    agent: np.ndarray  # int64[W]: its agent (its number in MultiAgentStore's agent_ids)
+    rows: np.ndarray  # int32[W]: the ring row of its first agent step
+    steps: np.ndarray  # int32[W]: its agent steps
+    offsets: np.ndarray  # int64[W, n]: env steps from t to the action of each of its agent steps (0 past them)
+    n: int
 
 
 class MultiAgentStore:
@@ -103,6 +171,9 @@ class MultiAgentStore:
         self._num_timesteps = self._num_timesteps_added = self._num_episodes_evicted = 0
         self._num_agent_timesteps = self._num_agent_timesteps_added = 0
         self.sampled_timesteps = 0
+        self._windows_cache: dict = {}  # (n, modules) -> Windows, for the episodes stored now (emptied by add)
+        self._agent_ids: dict = {}  # agent id -> its number in Windows.agent
+        self._last_synchronized = False  # the last sample was synchronized (no priorities to update)
 
     @property
     def episodes(self) -> list:
@@ -169,6 +240,7 @@ class MultiAgentStore:
             self._modules[module_id] = store
         metrics = self._count(kept, evicted, order, live)
         self._order, self._live = order, live
+        self._windows_cache = {}
         self._num_timesteps, self._num_timesteps_added = timesteps, added
         self._num_episodes_evicted += len(evicted)
         EpisodeReplayBuffer._update_add_metrics(self, **metrics)
@@ -197,6 +269,12 @@ class MultiAgentStore:
                 episodes_added += 1
                 for agent_id in episode.agent_episodes:
                     per["episodes_added"][agent_id, episode.module_for(agent_id)] += 1
+            for agent_id, agent_episode in episode.agent_episodes.items():
+                if len(agent_episode) > 0:  # the env steps of its steps, from the stored episode's first
+                    env_t = agent_env_steps(episode, agent_id)
+                    env_t = np.where(env_t >= 0, env_t + record.env_steps, -1)
+                    before = record.env_t.get(agent_id)
+                    record.env_t[agent_id] = env_t if before is None else np.concatenate([before, env_t], axis=1)
             record.env_steps += episode.env_steps()
             record.agent_steps += episode.agent_steps()
             self._num_agent_timesteps += episode.agent_steps()
@@ -230,15 +308,17 @@ class MultiAgentStore:
                batch_length_T: Optional[int] = None, n_step: Optional[Union[int, tuple]] = 1, gamma: float = 0.99,
                include_infos: bool = False, include_extra_model_outputs: bool = False,
                replay_mode: str = "independent", modules_to_sample: Optional[list] = None, beta: float = 0.0,
-               to_numpy: bool = False, lookback: int = 0, **kwargs) -> list:
-        """RLlib's independent multi-agent sample: for each module (``modules_to_sample``, default all) ``B`` of its
-        agent steps as 1-step single-agent episodes (``o_t, a_t, G_t, o_(t+n)``, ``weights``, ``n_step``) carrying
-        their agent, module and multi-agent episode ids; a step whose episode ends within n steps is redrawn."""
+               to_numpy: bool = False, lookback: int = 0, **kwargs) -> Union[list, dict]:
+        """RLlib's multi-agent sample. ``replay_mode="independent"``: for each module (``modules_to_sample``, default
+        all) ``B`` of its agent steps as 1-step single-agent episodes (``o_t, a_t, G_t, o_(t+n)``, ``weights``,
+        ``n_step``) carrying their agent, module and multi-agent episode ids; a step whose episode ends within n
+        steps is redrawn. ``"synchronized"``: ``B`` env steps, each agent's transition there (``_sample_synchronized``),
+        as a dict module id -> columns."""
         start = time.perf_counter()
         name = type(self).__name__
-        if replay_mode != "independent":
-            raise NotImplementedError(f"{name}.sample(): replay_mode={replay_mode!r} is not supported yet; "
-                                      f"'independent' (RLlib's default) is")
+        if replay_mode not in ("independent", "synchronized"):
+            raise ValueError(f"{name}.sample(): replay_mode must be 'independent' or 'synchronized', got "
+                             f"{replay_mode!r}")
         if batch_length_T not in (None, 0, 1) or lookback:
             raise NotImplementedError(f"{name}.sample(): sequences (batch_length_T={batch_length_T}, "
                                       f"lookback={lookback}) are not supported for multi-agent episodes; RLlib's "
@@ -260,12 +340,17 @@ class MultiAgentStore:
         if empty:
             raise ValueError(f"{name}.sample(): no steps stored for module(s) {empty!r}; add() episodes first or "
                              f"pass modules_to_sample")
+        n_steps = n_range(f"{name}", n_step)
+        if replay_mode == "synchronized":
+            out = self._sample_synchronized(int(size), n_steps, float(gamma), modules, include_infos,
+                                            include_extra_model_outputs)
+            self.timings["sample"] += time.perf_counter() - start
+            return out
+        self._last_synchronized = False
         out, metrics = [], collections.defaultdict(dict)
-        n_range = None
         for module_id in modules:
             store = self._modules[module_id]
-            n_range = n_range or store.n_range(n_step)
-            drawn, resamples = store.take(Request(int(size), n_range, float(beta), float(gamma)))
+            drawn, resamples = store.take(Request(int(size), n_steps, float(beta), float(gamma)))
             episodes = store.episodes_of(drawn, to_numpy, include_infos, include_extra_model_outputs)
             out.extend(episodes)
             self._counts[module_id]["sampled"] += size
@@ -292,6 +377,128 @@ class MultiAgentStore:
         self.timings["sample"] += time.perf_counter() - start
         return out
 
+    def _windows(self, n: int, modules: list) -> Windows:
+        """The agent windows of n env steps in the stored episodes for ``modules`` (``Windows``), from the episodes'
+        env steps (``StoredMultiAgentEpisode.env_t``) and the module stores' ring rows; kept until the next add."""
+        key = (n, tuple(modules))
+        if key in self._windows_cache:
+            return self._windows_cache[key]
+        place = {module_id: i for i, module_id in enumerate(modules)}
+        keys, module, order, agents, rows, steps, offsets = [], [], [], [], [], [], []
+        for number, record in enumerate(self._order):
+            for rank, (agent_id, part) in enumerate(record.agents.items()):
+                env_t = record.env_t.get(agent_id)
+                if part.module_id not in place or env_t is None or env_t.shape[1] != part.steps:
+                    continue
+                first, taken = agent_windows(env_t, n)
+                if not first.size:
+                    continue
+                ring = self._modules[part.module_id].ring_rows(part.episode_id)
+                keys.append(number << 32 | env_t[0, first])
+                module.append(np.full(first.size, place[part.module_id]))
+                order.append(np.full(first.size, rank))
+                agents.append(np.full(first.size, self._agent_ids.setdefault(agent_id, len(self._agent_ids))))
+                rows.append(ring[first])
+                steps.append(taken)
+                # agent step k + j of a window acted j' env steps after its first: j' = env_t[0, k + j] - t
+                later = np.minimum(first[:, None] + np.arange(n), env_t.shape[1] - 1)
+                offsets.append(np.where(np.arange(n) < taken[:, None], env_t[0, later] - env_t[0, first][:, None], 0))
+        if not keys:
+            windows = Windows(*(np.zeros(0, np.int64),) * 5, np.zeros(0, np.int32), np.zeros(0, np.int32),
+                              np.zeros((0, n), np.int64), n)
+        else:
+            keys, module, order = np.concatenate(keys), np.concatenate(module), np.concatenate(order)
+            by = np.lexsort((order, module, keys))  # by env step, then module, then agent
+            unique, first, count = np.unique(keys[by], return_index=True, return_counts=True)
+            windows = Windows(unique, first, count, module[by], np.concatenate(agents)[by],
+                              np.concatenate(rows)[by].astype(np.int32), np.concatenate(steps)[by].astype(np.int32),
+                              np.concatenate(offsets)[by], n)
+        self._windows_cache[key] = windows
+        return windows
+
+    def _sample_synchronized(self, size: int, n_steps: tuple, gamma: float, modules: list, infos: bool,
+                             extras: bool) -> dict:
+        """RLlib's synchronized multi-agent sample, without its 2.60 bugs: ``size`` env steps drawn uniformly (with
+        replacement; for an n-step range, uniformly over the (env step, n) pairs) among the stored env steps t at
+        which an agent of a module sampled acted and is observed again n env steps later; each such agent gives its
+        module one row ``o_t, a_t, G, o_(t+n)`` with ``G`` the sum of its agent steps' rewards in the window, each
+        discounted by gamma to the env steps from t to the one the agent acted at (the n-step return when it acts at
+        every env step), terminated / truncated when ``o_(t+n)`` ends its episode, ``weights`` 1 and ``n_step`` n.
+        Returns module id -> NumPy columns (rows in draw order; a module without rows is left out, as RLlib does).
+        One gather kernel per module over the agent steps' ring rows; the host only maps env steps to ring rows."""
+        name = type(self).__name__
+        low, high = n_steps
+        tables = [self._windows(n, modules) for n in range(low, high + 1)]
+        totals = np.array([table.keys.size for table in tables])
+        if not totals.sum():
+            raise ValueError(f"{name}.sample(): no stored env step has an agent of modules_to_sample {modules!r} "
+                             f"that acted there and is observed n_step={low if low == high else (low, high + 1)} "
+                             f"env steps later; sample a smaller n_step, other modules, or add longer episodes")
+        # the tables as one: pick p is env step (with its n) p of their concatenation
+        longest = compile_size(high)
+        base = np.cumsum([0] + [table.module.size for table in tables])[:-1]
+        first = np.concatenate([table.first + at for table, at in zip(tables, base)])
+        count = np.concatenate([table.count for table in tables])
+        keys = np.concatenate([table.keys for table in tables])
+        module, agents, rows, steps = (np.concatenate([getattr(table, f) for table in tables])
+                                       for f in ("module", "agent", "rows", "steps"))
+        offsets = np.concatenate([np.pad(table.offsets, ((0, 0), (0, longest - table.n))) for table in tables])
+        n_of = np.concatenate([np.full(table.module.size, table.n) for table in tables])
+        picks = self.rng.integers(int(totals.sum()), size=size)
+        # every picked env step's windows, in draw order
+        taken = np.repeat(first[picks] - np.cumsum(count[picks]) + count[picks], count[picks]) + \
+            np.arange(int(count[picks].sum()))
+        module, agents, rows, steps = module[taken], agents[taken], rows[taken], steps[taken]
+        offsets, n_of = offsets[taken], n_of[taken]
+        episode_of = np.repeat(keys[picks] >> 32, count[picks])  # each row's stored episode (its number)
+        out, metrics = {}, collections.defaultdict(dict)
+        for place, module_id in enumerate(modules):
+            mine = np.flatnonzero(module == place)
+            if not mine.size:
+                continue
+            store = self._modules[module_id]
+            # at least the batch size (a module whose agents act less often compiles no smaller kernels)
+            padded = compile_size(max(mine.size, size), multiple=self.num_shards)
+            ring, span = np.zeros(padded, np.int32), np.ones(padded, np.int32)  # padding rows: row 0, dropped
+            ring[:mine.size], span[:mine.size] = rows[mine], steps[mine]
+            discounts = np.zeros((padded, longest), np.float64)
+            discounts[:mine.size] = np.power(gamma, offsets[mine].astype(np.float64))
+            gathered = store.gather(ring, span, discounts.astype(np.float32))
+            host = {k: v[:mine.size] for k, v in to_host(gathered).items()}
+            host = exact_values(host, gamma, discounts[:mine.size])
+            columns = {key: host[key] for key in (Columns.OBS, Columns.ACTIONS, Columns.REWARDS, Columns.NEXT_OBS,
+                                                  Columns.TERMINATEDS)}
+            # an agent episode can be both (RLlib's episode sets both flags when only truncateds are given):
+            # terminated wins, as in RLlib's synchronized rows
+            columns[Columns.TRUNCATEDS] = host[Columns.TRUNCATEDS] & ~host[Columns.TERMINATEDS]
+            columns["weights"] = np.ones(mine.size, np.float32)
+            columns["n_step"] = n_of[mine].astype(np.int32)
+            if infos:  # the infos of o_(t+n), as RLlib picks them
+                named = [k for k in host if k.startswith("next_info__")]
+                columns[Columns.INFOS] = [{k[len("next_info__"):]: host[k][i] for k in named}
+                                          for i in range(mine.size)]
+            if extras:  # those of step t, one column per key
+                columns.update({k[len("extra__"):]: host[k] for k in host if k.startswith("extra__")})
+            out[module_id] = columns
+            self._counts[module_id]["sampled"] += int(mine.size)
+            names = list(self._agent_ids)
+            for kind, owner, rows_of in [("module", module_id, mine)] + [
+                    ("agent", names[number], mine[agents[mine] == number])
+                    for number in dict.fromkeys(agents[mine].tolist())]:
+                metrics[f"{kind}_to_num_steps_sampled"][owner] = len(rows_of)
+                metrics[f"{kind}_to_num_steps_per_sample"][owner] = len(rows_of)
+                metrics[f"{kind}_to_num_episodes_per_sample"][owner] = len(set(episode_of[rows_of].tolist()))
+                metrics[f"{kind}_to_sampled_n_step"][owner] = float(np.mean(n_of[rows_of]))
+                metrics[f"{kind}_to_num_resamples"][owner] = 0
+        self.sampled_timesteps += size
+        self._last_synchronized = True
+        EpisodeReplayBuffer._update_sample_metrics(
+            self, num_env_steps_sampled=size, num_episodes_per_sample=len(set((keys[picks] >> 32).tolist())),
+            num_env_steps_per_sample=len(set(keys[picks].tolist())),
+            sampled_n_step=float(np.mean(np.concatenate([np.full(t.keys.size, t.n) for t in tables])[picks])),
+            num_resamples=0, **metrics)
+        return out
+
     def update_priorities(self, priorities, module_id) -> None:
         """New priorities ``|priorities|`` for the steps of ``module_id``'s last sample (RLlib's DQN passes each
         module's TD errors)."""
@@ -301,6 +508,9 @@ class MultiAgentStore:
         if self._modules.get(module_id) is None:
             raise ValueError(f"{name}.update_priorities(): module {module_id!r} is not stored; the buffer holds "
                              f"{list(self._modules)!r}")
+        if self._last_synchronized:
+            raise ValueError(f"{name}.update_priorities(): the last sample was replay_mode='synchronized', which "
+                             f"draws env steps uniformly (weights 1); priorities follow an 'independent' sample")
         start = time.perf_counter()
         self._modules[module_id].update_priorities(priorities)
         self.timings["update_priorities"] += time.perf_counter() - start
@@ -352,7 +562,8 @@ class MultiAgentStore:
                              "num_agent_timesteps_added": self._num_agent_timesteps_added,
                              "sampled_timesteps": self.sampled_timesteps},
                 "episodes": [{"id": record.id_, "env_steps": record.env_steps, "agent_steps": record.agent_steps,
-                              "agents": [[agent_id, *part] for agent_id, part in record.agents.items()]}
+                              "agents": [[agent_id, *part] for agent_id, part in record.agents.items()],
+                              "env_t": [[agent_id, env_t] for agent_id, env_t in record.env_t.items()]}
                              for record in self._order],
                 # lists of pairs, not dicts: module ids need not be strings
                 "modules": [[module_id, None if store is None else store.capacity,
@@ -389,7 +600,9 @@ class MultiAgentStore:
             self._counts[module_id].update(counts)
         for saved in state["episodes"]:
             record = StoredMultiAgentEpisode(saved["id"], int(saved["env_steps"]), int(saved["agent_steps"]),
-                                             {a: AgentSteps(m, e, int(n)) for a, m, e, n in saved["agents"]})
+                                             {a: AgentSteps(m, e, int(n)) for a, m, e, n in saved["agents"]},
+                                             {a: np.asarray(env_t, np.int64).reshape(2, -1)
+                                              for a, env_t in saved.get("env_t", [])})
             self._order.append(record)
             self._live[record.id_] = record
         counters = state["counters"]
