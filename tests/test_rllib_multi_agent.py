@@ -322,12 +322,17 @@ def reward(agent, s):
     return 0.01 * (s + 1) * (1 if agent == "a" else 3)
 
 
-def scheduled(k, length, end):
+def scheduled(k, length, end, cut=None):
     """Episode ``S<k>``: agent a acts at every env step, b is observed at the even env steps and the last one and
     acts at each of them but the last; every observation is ``100 k + env step``, every action the env step, and
-    the episode ends ``end`` ("terminated" / "truncated") at env step ``length``."""
+    the episode ends ``end`` ("terminated" / "truncated") at env step ``length``. With ``cut`` (an even env step)
+    the list of its two chunks (``cut()`` there)."""
     e = MultiAgentEpisode(id_=f"S{k}", observations=[{a: 100.0 * k for a in SYNC}], agent_module_ids=dict(SYNC))
+    chunks = []
     for s in range(length):
+        if s == cut:
+            chunks.append(e)
+            e = e.cut()
         last = s == length - 1
         seen = [a for a in SYNC if a == "a" or (s + 1) % 2 == 0 or last]
         done = {a: last for a in SYNC} | {"__all__": last}  # (RLlib calls an episode whose agents are all
@@ -336,7 +341,7 @@ def scheduled(k, length, end):
                        rewards={a: reward(a, s) for a in SYNC}, infos={a: {} for a in seen},
                        terminateds=done if end == "terminated" else {},
                        truncateds={"__all__": last} if end == "truncated" else {})
-    return e
+    return e if cut is None else chunks + [e]
 
 
 def reference_row(agent, k, t, n, length, end):
@@ -357,14 +362,15 @@ def test_synchronized_sample_against_a_reference():
     """``replay_mode="synchronized"``: B env steps drawn among those whose 2-step window fits for a module sampled;
     every agent of a module sampled that acts there and is observed 2 env steps later gives one row, in draw order
     (b skips odd env steps, so its windows of one agent step hold two env steps' rewards); terminal transitions are
-    drawn and marked; weights 1, n_step 2; counters as RLlib's test expects; evicted episodes never drawn."""
+    drawn and marked; weights 1, n_step 2; counters as RLlib's test expects; evicted episodes never drawn; windows
+    run across the chunks of an episode added in two."""
     rng = np.random.default_rng(11)
     buffer = conduit_rllib.ConduitMultiAgentEpisodeReplayBuffer(capacity=30)
     stored, sampled, terminal = {}, {"module_1": 0, "module_2": 0}, set()
     for k in range(9):
         length, end = int(rng.integers(9, 13)), ("terminated", "truncated")[k % 2]
         stored[k] = (length, end)
-        buffer.add(scheduled(k, length, end))
+        buffer.add(scheduled(k, length, end, cut=4 if k == 5 else None))
         live = {int(e.id_[1:]) for e in buffer.episodes}
         for modules in (["module_1"], ["module_2"], None):
             out = buffer.sample(batch_size_B=16, n_step=2, gamma=GAMMA, replay_mode="synchronized",

@@ -388,12 +388,17 @@ class MultiAgentStore:
         for number, record in enumerate(self._order):
             for rank, (agent_id, part) in enumerate(record.agents.items()):
                 env_t = record.env_t.get(agent_id)
-                if part.module_id not in place or env_t is None or env_t.shape[1] != part.steps:
+                if part.module_id not in place or env_t is None:
                     continue
+                # the steps stored under the agent's single-agent episode id (RLlib gives an agent a new one when
+                # a chunk starts while its action hangs; the steps filed under that one have no env steps, -1)
+                ring = self._modules[part.module_id].ring_rows(part.episode_id)
+                if env_t.shape[1] < ring.size:
+                    continue
+                env_t = env_t[:, :ring.size]
                 first, taken = agent_windows(env_t, n)
                 if not first.size:
                     continue
-                ring = self._modules[part.module_id].ring_rows(part.episode_id)
                 keys.append(number << 32 | env_t[0, first])
                 module.append(np.full(first.size, place[part.module_id]))
                 order.append(np.full(first.size, rank))
