@@ -193,10 +193,11 @@ class EpisodeStore:
     def _call(self, kind: str, static: tuple, *args) -> list:
         """Run step ``kind`` for ``static`` in the engine's kernel: the pending priority updates, the staged rows,
         the adds' links and retirements (``draws.with_adds``), then the step; returns the step's outputs."""
-        name = f"rllib_{kind}{list(static)}"
+        retires = bool(self._retiring)  # a variant without the O(capacity) retirement when nothing was evicted
+        name = f"rllib_{kind}{list(static)}{'' if retires else '-kept'}"
         if name not in self._given:
             step = (lambda state, links: (state,)) if kind == "settle" else self._step(kind, static)
-            self._engine.add_step(name, draws.with_adds(self._buffer(self.num_shards), step),
+            self._engine.add_step(name, draws.with_adds(self._buffer(self.num_shards), step, retires),
                                   1 + self._OUTPUTS[kind], donates=(0,))
             self._given.add(name)
         self._links, *outputs = self._engine.call(name, self._links, *self._waiting_adds(), *args)
