@@ -25,8 +25,10 @@ if importlib.util.find_spec("conduit_rllib") is None:
 from ray.rllib.env.single_agent_episode import SingleAgentEpisode  # noqa: E402
 from ray.rllib.utils.replay_buffers.episode_replay_buffer import EpisodeReplayBuffer  # noqa: E402
 from ray.rllib.utils.replay_buffers.prioritized_episode_buffer import PrioritizedEpisodeReplayBuffer  # noqa: E402
+import tree  # noqa: E402
 
 import conduit_rllib  # noqa: E402
+from conduit_rllib.metrics import PushingLogger  # noqa: E402
 
 PRIORITIZED = [PrioritizedEpisodeReplayBuffer, conduit_rllib.ConduitPrioritizedEpisodeReplayBuffer]
 UNIFORM = [EpisodeReplayBuffer, conduit_rllib.ConduitEpisodeReplayBuffer]
@@ -419,3 +421,38 @@ def test_rllib_own_tests_tool_substitutes_every_buffer_class(tmp_path):
         "                MultiAgentEpisodeReplayBuffer):\n"
         "        assert cls.__name__.startswith('Conduit'), cls\n")
     assert rllib_own_tests.run_file(probe, conduit=True) == {"test_which_class::test_conduit": "passed"}
+
+
+# -- metrics ----------------------------------------------------------------------------------------------------------
+class _EachValueLogged(PushingLogger):
+    """Every value through ``MetricsLogger.log_value``, as RLlib's own buffers log it."""
+
+    def log_value(self, key, value, **kwargs):
+        self.logger.log_value(key, value, **kwargs)
+
+
+@pytest.mark.parametrize("cls", [conduit_rllib.ConduitEpisodeReplayBuffer,
+                                 conduit_rllib.ConduitPrioritizedEpisodeReplayBuffer], ids=by_name)
+def test_metrics_equal_those_logged_value_by_value(cls):
+    """A Conduit buffer pushes a metric's later values onto its ``Stats`` (``metrics.PushingLogger``); every ``Stats``
+    of ``get_metrics()`` (its whole state) equals that of the same buffer logging each value through
+    ``MetricsLogger.log_value``, across adds that evict, n-step and sequence samples and a reset of the logger."""
+    buffers = [cls(capacity=300, metrics_num_episodes_for_smoothing=5) for _ in range(2)]
+    buffers[1]._logged.pushing = _EachValueLogged(buffers[1].metrics)
+    rngs = [np.random.default_rng(3), np.random.default_rng(3)]
+    for i in range(40):
+        metrics = []
+        for buffer, rng in zip(buffers, rngs):
+            buffer.add([episode(rng, int(rng.integers(1, 40))) for _ in range(int(rng.integers(1, 4)))])
+            if i % 2:
+                buffer.sample(num_items=16, n_step=(1, 3) if i % 3 else 2, beta=0.5, sample_episodes=True)
+                if isinstance(buffer, PrioritizedEpisodeReplayBuffer):
+                    buffer.update_priorities(rng.random(16))
+            elif not isinstance(buffer, PrioritizedEpisodeReplayBuffer):
+                buffer.sample(batch_size_B=4, batch_length_T=3)
+            if i == 20:
+                buffer.metrics.reset()
+            metrics.append(tree.map_structure(lambda stats: stats.get_state(), buffer.get_metrics()))
+        assert metrics[0] == metrics[1], i
+    assert buffers[0].get_num_episodes_evicted() > 0
+    assert isinstance(buffers[1]._logged.pushing, _EachValueLogged)  # the reference logged value by value throughout

@@ -33,10 +33,10 @@ from ray.rllib.core.columns import Columns
 from ray.rllib.env.multi_agent_episode import MultiAgentEpisode
 from ray.rllib.utils import force_list
 from ray.rllib.utils.metrics.metrics_logger import MetricsLogger
-from ray.rllib.utils.replay_buffers.episode_replay_buffer import EpisodeReplayBuffer
 
 from conduit_jax.replay import compile_size
 from conduit_rllib.draws import Request, exact_values, n_range, to_host
+from conduit_rllib.metrics import BufferMetrics
 from conduit_rllib.store import STATE_VERSION, EpisodeStore, adaptive_choice
 
 MULTI_AGENT_STATE_FORMAT = "conduit_rllib.multi_agent_episode_replay_buffer"
@@ -151,6 +151,7 @@ class MultiAgentStore:
         self.deliver, self.agents_per_module = deliver, agents_per_module
         self.rng = np.random.default_rng(seed)
         self.metrics = MetricsLogger(root=False)
+        self._logged = BufferMetrics()  # RLlib's metrics, fewer lookups per value
         self._metrics_num_episodes_for_smoothing = metrics_num_episodes_for_smoothing
         self.timings = collections.defaultdict(float)  # seconds spent in add / sample / update_priorities
         self._reset()
@@ -243,7 +244,7 @@ class MultiAgentStore:
         self._windows_cache = {}
         self._num_timesteps, self._num_timesteps_added = timesteps, added
         self._num_episodes_evicted += len(evicted)
-        EpisodeReplayBuffer._update_add_metrics(self, **metrics)
+        self._logged.update_add(self, **metrics)
         self.timings["add"] += time.perf_counter() - start
 
     def _count(self, kept: list, evicted: list, order: collections.deque, live: dict) -> dict:
@@ -368,7 +369,7 @@ class MultiAgentStore:
             metrics["module_to_sampled_n_step"][module_id] = mean_n
             metrics["module_to_num_resamples"][module_id] = resamples
         self.sampled_timesteps += size  # RLlib counts the batch size once, whatever the number of modules
-        EpisodeReplayBuffer._update_sample_metrics(
+        self._logged.update_sample(
             self, num_env_steps_sampled=size * len(modules),
             num_episodes_per_sample=len({e.multi_agent_episode_id for e in out}),
             num_env_steps_per_sample=len(out), sampled_n_step=float(np.mean(list(
@@ -497,7 +498,7 @@ class MultiAgentStore:
                 metrics[f"{kind}_to_num_resamples"][owner] = 0
         self.sampled_timesteps += size
         self._last_synchronized = True
-        EpisodeReplayBuffer._update_sample_metrics(
+        self._logged.update_sample(
             self, num_env_steps_sampled=size, num_episodes_per_sample=len(set((keys[picks] >> 32).tolist())),
             num_env_steps_per_sample=len(set(keys[picks].tolist())),
             sampled_n_step=float(np.mean(np.concatenate([np.full(t.keys.size, t.n) for t in tables])[picks])),

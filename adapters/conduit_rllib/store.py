@@ -27,11 +27,10 @@ from typing import Any, Callable, Optional, Union
 import jax
 import jax.numpy as jnp
 import numpy as np
-from ray.rllib.core import DEFAULT_AGENT_ID, DEFAULT_MODULE_ID
+from ray.rllib.core import DEFAULT_MODULE_ID
 from ray.rllib.env.single_agent_episode import SingleAgentEpisode
 from ray.rllib.utils import force_list
 from ray.rllib.utils.metrics.metrics_logger import MetricsLogger
-from ray.rllib.utils.replay_buffers.episode_replay_buffer import EpisodeReplayBuffer
 
 from conduit_jax import ExperienceSpec, default_mesh, engine, make_buffer, samplers
 from conduit_jax.replay import compile_size
@@ -39,6 +38,7 @@ from conduit_rllib import draws
 from conduit_rllib.batch import ConduitBatch, train_columns
 from conduit_rllib.draws import Drawn, Request, candidate_count, exact_values, joined, to_host
 from conduit_rllib.episode_index import AddPlan, EpisodeIndex, check_columns, chunk_of, episode_slice, transitions
+from conduit_rllib.metrics import BufferMetrics
 
 logger = logging.getLogger("conduit_rllib.buffers")  # a buffer's warnings come from its public module
 
@@ -121,6 +121,7 @@ class EpisodeStore:
         self.schedule = schedule
         self.rng = np.random.default_rng(seed)
         self.metrics = MetricsLogger(root=False)
+        self._logged = BufferMetrics()  # RLlib's metrics, fewer lookups per value
         self._metrics_num_episodes_for_smoothing = metrics_num_episodes_for_smoothing
         self.observation_space = None
         self.action_space = None
@@ -246,7 +247,8 @@ class EpisodeStore:
             return
         plan = self.prepare(episodes)
         self.commit(plan)
-        self._log_add(plan.steps_added, plan.episodes_added, len(plan.evicted), plan.steps_evicted)
+        self._logged.added(self, plan.steps_added, plan.episodes_added, len(plan.evicted),
+                           plan.steps_evicted)
         self.timings["add"] += time.perf_counter() - start
 
     def prepare(self, episodes: list, evict: Optional[list] = None) -> AddPlan:
@@ -316,18 +318,6 @@ class EpisodeStore:
             block[0] = np.where(block[0] >= 0, block[0], self.storage_capacity)
         return full, patch
 
-    def _log_add(self, steps: int, episodes_added: int, evicted: int, steps_evicted: int) -> None:
-        agent, module = {DEFAULT_AGENT_ID: episodes_added}, {DEFAULT_MODULE_ID: episodes_added}
-        EpisodeReplayBuffer._update_add_metrics(
-            self, num_episodes_added=episodes_added, num_env_steps_added=steps, num_episodes_evicted=evicted,
-            num_env_steps_evicted=steps_evicted, agent_to_num_episodes_added=agent,
-            agent_to_num_steps_added={DEFAULT_AGENT_ID: steps},
-            agent_to_num_episodes_evicted={DEFAULT_AGENT_ID: evicted},
-            agent_to_num_steps_evicted={DEFAULT_AGENT_ID: steps_evicted}, module_to_num_episodes_added=module,
-            module_to_num_steps_added={DEFAULT_MODULE_ID: steps},
-            module_to_num_episodes_evicted={DEFAULT_MODULE_ID: evicted},
-            module_to_num_steps_evicted={DEFAULT_MODULE_ID: steps_evicted})
-
     # -- sample ---------------------------------------------------------------------------------------------------
     def sample(self, num_items: Optional[int] = None, *, batch_size_B: Optional[int] = None,
                batch_length_T: Optional[int] = None, n_step: Optional[Union[int, tuple]] = None,
@@ -357,8 +347,8 @@ class EpisodeStore:
             raise ValueError(f"{name}.sample(): the buffer is empty; add() episodes first")
         request = Request(size, self.n_range(n_step), float(beta), float(gamma))
         drawn, resamples = self.take(request)
-        self._log_sample(size, float(np.mean(n_step)) if isinstance(n_step, (tuple, list)) else float(n_step or 1),
-                         resamples)
+        mean_n = float(np.mean(n_step)) if isinstance(n_step, (tuple, list)) else float(n_step or 1)
+        self._logged.sampled(self, size, mean_n, resamples)
         if self.deliver == "torch":
             out = ConduitBatch(train_columns(drawn.columns, include_infos, include_extra_model_outputs),
                                DEFAULT_MODULE_ID, size)
@@ -436,7 +426,7 @@ class EpisodeStore:
         self._draws += 1
         out = exact_values({k: v[:size] for k, v in to_host(out).items()}, 0.0)
         self.sampled_timesteps += size * length
-        self._log_sample(size * length, None, 0)
+        self._logged.sampled(self, size * length, None, 0)
         self.timings["sample"] += time.perf_counter() - start
         return out
 
@@ -482,7 +472,8 @@ class EpisodeStore:
                 if counted >= size:
                     break
         self.sampled_timesteps += size
-        self._log_sample(size, len(out) / size, 0, episodes=len(episodes_seen), unique_steps=len(steps_seen))
+        self._logged.sampled(self, size, len(out) / size, 0, episodes=len(episodes_seen),
+                             unique_steps=len(steps_seen))
         self.timings["sample"] += time.perf_counter() - start
         return out
 
@@ -512,22 +503,6 @@ class EpisodeStore:
     def n_range(self, n_step) -> tuple[int, int]:
         """The n-steps to draw from, inclusive (``draws.n_range``)."""
         return draws.n_range(self._label, n_step)
-
-    def _log_sample(self, steps: int, mean_n: Optional[float], resamples: int, episodes: int = 0,
-                    unique_steps: Optional[int] = None) -> None:
-        """RLlib's sample metrics; ``mean_n`` None for sequence batches (RLlib logs no n-step there); ``episodes`` and
-        ``unique_steps``: the distinct episodes and steps drawn, where RLlib counts them."""
-        agent, module = DEFAULT_AGENT_ID, DEFAULT_MODULE_ID
-        unique = steps if unique_steps is None else unique_steps
-        EpisodeReplayBuffer._update_sample_metrics(
-            self, num_env_steps_sampled=steps, num_episodes_per_sample=episodes, num_env_steps_per_sample=unique,
-            sampled_n_step=mean_n, num_resamples=resamples, agent_to_num_steps_sampled={agent: steps},
-            agent_to_num_episodes_per_sample={agent: episodes}, agent_to_num_steps_per_sample={agent: unique},
-            agent_to_sampled_n_step=None if mean_n is None else {agent: mean_n},
-            agent_to_num_resamples={agent: resamples}, module_to_num_steps_sampled={module: steps},
-            module_to_num_episodes_per_sample={module: episodes}, module_to_num_steps_per_sample={module: unique},
-            module_to_sampled_n_step=None if mean_n is None else {module: mean_n},
-            module_to_num_resamples={module: resamples})
 
     def episodes_of(self, drawn: Drawn, to_numpy: bool, infos: bool, extras: bool) -> list:
         """``drawn`` as RLlib's 1-step episodes (``episode_index.transitions``)."""
