@@ -173,7 +173,8 @@ class Engine:
     Besides the state, the engine holds the host work that is not in it yet, in the order it was given: checked
     priority updates (``pend``) and then staged ingests (``ingest(..., staged=True)``: packed into a host
     ``StagingArea``, see ``staging.py``). Every kernel the engine dispatches applies the updates, then writes the
-    staged rows, then does its own work, all in one dispatch; ``flush`` runs a kernel for just those. So whatever
+    staged rows, then does its own work, all in one dispatch, except that updates and rows to write together take
+    two (the updates' kernel first; see ``_dispatch``); ``flush`` runs a kernel for just those. So whatever
     reads the state (a draw, ``state``, ``status``, ``run``) sees everything given before it. A caller that gives an
     update while rows are staged flushes first (the plane does), which keeps updates before staged rows.
 
@@ -324,20 +325,26 @@ class Engine:
             parts.append(step_name + ("[recycle]" if recycles else ""))
         return "+".join(parts)
 
-    def _dispatch(self, step_name: str, *step_args, recycle=None, block=None) -> list:
+    def _dispatch(self, step_name: str, *step_args, recycle=None, block=None, write: bool = True) -> list:
         """Run step ``step_name`` in one kernel that first applies the pending updates and writes the staged rows
-        (or ``block``: a (device batch, n) written instead, after the updates); return the step's outputs."""
+        (or ``block``: a (device batch, n) written instead, after the updates); return the step's outputs.
+        ``write=False``: the staged rows stay staged. Pending updates and rows to write go in two kernels, the updates
+        first: in one kernel that scatters new priorities into the sum tree and writes a run of new items' leaves,
+        XLA:CPU copies every level of the tree twice (4 MB for the leaves of a 100,000-slot tree), which a kernel
+        doing either alone does not."""
+        if write and self.pending and (block is not None or self.staging.count):
+            self._dispatch("", write=False)
         storage_large, rest_large, small = self._live_form
         updates = self._take_updates()
         args: list = [] if recycle is None else [recycle]
         if updates is not None:
             args.append(updates)
         staged = None
-        if block is not None:
+        if write and block is not None:
             batch, n = block
             staged = (jax.tree_util.tree_leaves(batch)[0].shape[0], False)
             args += [batch, np.int32(n)]
-        elif self.staging.count:
+        elif write and self.staging.count:
             rows = staged_rows(self.staging.count, self.config.num_shards, self.config.shard_capacity)
             packed_rows, n = self.staging.block(rows)
             staged = (rows, True)
@@ -366,7 +373,7 @@ class Engine:
         return outputs
 
     def flush(self) -> None:
-        """Apply the pending updates and write the staged rows, in one kernel (nothing when there are none)."""
+        """Apply the pending updates and write the staged rows (nothing when there are none; see ``_dispatch``)."""
         if self.pending or self.staging.count:
             self._dispatch("")
 
@@ -488,8 +495,8 @@ class Engine:
 
     def call(self, name: str, *args) -> list:
         """Run the step ``add_step`` gave as ``name`` on the state with ``args``, after the pending updates and the
-        staged rows, in one kernel; keep the state it returns and return its outputs (a list, computed
-        asynchronously)."""
+        staged rows, in the same kernel (see ``_dispatch``); keep the state it returns and return its outputs (a list,
+        computed asynchronously)."""
         options = self._step_options.get(name)
         if options is None:
             raise ConfigError(f"call(): no step named {name!r}; add_step() gives one (given: "
@@ -567,7 +574,8 @@ class Engine:
 
     # -- the engine's kernels -----------------------------------------------------------------------------------------
     def sample(self, recycle: Optional[Delivery] = None) -> Delivery:
-        """One batch, drawn after the pending updates and staged rows are in, in the same kernel; ``recycle``: a
+        """One batch, drawn after the pending updates and staged rows are in, in the same kernel (see ``_dispatch``);
+        ``recycle``: a
         checked finished Delivery whose buffers receive the batch."""
         delivery, = self._dispatch("sample", recycle=recycle)
         if self._delivery_layout is None:

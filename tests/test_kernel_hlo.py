@@ -87,6 +87,21 @@ def test_byte_ring_kernels_do_not_copy_the_ring(sampler):
         assert large_copies(kernel.compile().as_text()) == [], name
 
 
+def test_pending_updates_and_staged_rows_go_in_two_kernels():
+    """An ingest-sample-update loop: an update given before rows were staged is applied by a kernel of its own, then
+    the rows are written (one kernel doing both made XLA:CPU copy every sum-tree level twice); the update's kernel
+    copies no level either."""
+    plane = ExperienceDataPlane(SPEC, CAPACITY, SAMPLERS["prioritized"](), mesh=default_mesh(1))
+    plane.ingest(batch(1000))
+    for step in range(3):
+        delivery = plane.sample()
+        plane.update_priorities(delivery.ids, np.ones(32, np.float32))
+        plane.ingest(batch(8, step))
+    names = list(plane.compile_counts())
+    assert "update[32]" in names and not [name for name in names if "update" in name and "ingest" in name], names
+    assert large_copies(plane.engine.lowered("update", np.zeros((32, 4), np.int32)).compile().as_text()) == []
+
+
 def test_the_check_finds_a_full_copy():
     # the same check on a kernel known to copy: returning an unchanged, undonated buffer
     ring = jax.numpy.zeros((CAPACITY, 4), np.uint32)

@@ -216,26 +216,6 @@ def test_buffer_n_step_transitions_match_reference(cls):
         buffer.sample(num_items=32, n_step=(3, 3), gamma=gamma, sample_episodes=True)
 
 
-def test_a_priority_update_before_an_add_is_written_in_its_own_kernel():
-    """RLlib's DQN order (sample, update_priorities, add, sample): the add writes the pending update first, in a
-    kernel of its own, so no kernel holds an update and an ingest together (XLA copied the whole sum-tree leaf level
-    twice in one); with no add in between the update rides the next draw."""
-    buffer = conduit_rllib.ConduitPrioritizedEpisodeReplayBuffer(capacity=2000, alpha=0.6)
-    chunks = _episodes()
-    buffer.add(chunks[:3])
-    for chunk in chunks[3:6]:
-        buffer.sample(num_items=8, n_step=1, beta=0.4)
-        buffer.update_priorities(np.arange(1.0, 9.0))
-        buffer.add([chunk])
-    buffer.sample(num_items=8, n_step=1, beta=0.4)
-    buffer.update_priorities(np.arange(1.0, 9.0))
-    buffer.sample(num_items=8, n_step=1, beta=0.4)
-    names = [name for name, count in buffer._engine.dispatches.items() for _ in range(count)]
-    assert not [name for name in names if "update" in name and "ingest" in name], names
-    assert sum(name.startswith("update[") and "+" not in name for name in names) == 3, names
-    assert any(name.startswith("update[") and "rllib_draw" in name for name in names), names
-
-
 def test_buffer_returns_rllib_episodes_and_n_step_one():
     buffer = conduit_rllib.ConduitPrioritizedEpisodeReplayBuffer(capacity=32, alpha=0.6, beta=0.4)  # n_step 1
     buffer.add(_episodes())

@@ -283,8 +283,6 @@ class EpisodeStore:
             count = plan.item - self._index.items
             if sum(f.shape[1] for f, _ in self._adds) + count > self.storage_capacity:
                 self._settle()  # the waiting links would name a ring row twice (one scatter): written first
-            if self._engine.pending:  # in a kernel of their own: with an ingest in the same kernel XLA copied the
-                self._engine.flush()  # whole sum-tree leaf level twice (4 MB each at 50,000 capacity)
             self._engine.ingest(batch, count, staged=True)
             full, patch = self._link_rows(np.concatenate(plan.rows, axis=1), plan.patches)
             self._adds.append((full, patch))
