@@ -575,8 +575,7 @@ class Engine:
     # -- the engine's kernels -----------------------------------------------------------------------------------------
     def sample(self, recycle: Optional[Delivery] = None) -> Delivery:
         """One batch, drawn after the pending updates and staged rows are in, in the same kernel (see ``_dispatch``);
-        ``recycle``: a
-        checked finished Delivery whose buffers receive the batch."""
+        ``recycle``: a checked finished Delivery whose buffers receive the batch."""
         delivery, = self._dispatch("sample", recycle=recycle)
         if self._delivery_layout is None:
             leaves, treedef = jax.tree_util.tree_flatten(delivery)
