@@ -319,7 +319,8 @@ def update(config: ReplayConfig, state: ReplayState, ids, priorities, valid):
 def retire(config: ReplayConfig, state: ReplayState, ids, valid):
     """Never draw the items named by ``ids`` (int32[m, 2]) again where ``valid``: their mass becomes 0 until their
     slot is rewritten (an id whose slot was rewritten since names another item and is ignored). Returns the new
-    sampler state. O(capacity): each shard rebuilds its index from the leaves once, however many ids."""
+    sampler state. A sampler with ``retire_slots`` (the prioritized ones) touches only those items' leaves and their
+    ancestors, O(m log capacity); otherwise each shard rebuilds its index from the leaves once, O(capacity)."""
     specs = partition_specs(config)
 
     def per_shard(state: ReplayState, ids, valid):
@@ -328,6 +329,8 @@ def retire(config: ReplayConfig, state: ReplayState, ids, valid):
         slot = rows % view.shard_capacity
         live = generation == storage.slot_generation(view.cursor, view.laps, slot)
         mine = valid & live & (rows // view.shard_capacity == view.shard_index)
+        if config.sampler.retire_slots is not None:
+            return config.sampler.retire_slots(state.sampler, jnp.where(mine, slot, 0), mine)
         stale = jnp.zeros((view.shard_capacity,), jnp.bool_)
         stale = stale.at[jnp.where(mine, slot, view.shard_capacity)].set(True, mode="drop")
         return config.sampler.retire(state.sampler, stale)

@@ -117,6 +117,8 @@ class Sampler(NamedTuple):
     sampling_retires: bool = False
     weigh: Optional[Callable[[Any, jax.Array, jax.Array, int], jax.Array]] = None
     retire: Optional[Callable[[Any, jax.Array], Any]] = None  # (state, stale bool[shard capacity]) -> state, per shard
+    # (state, slots int32[m], valid bool[m]) -> state, per shard: ``retire`` for a few named slots, without O(capacity)
+    retire_slots: Optional[Callable[[Any, jax.Array, jax.Array], Any]] = None
     params: tuple = ()  # ((argument, value), ...) of the constructor call: rebuilds the sampler from a checkpoint
     window: int = 1  # steps per delivered sequence
     time_axis: bool = False  # deliveries carry a time axis [B, window, ...] (sequences, even of length 1)
@@ -446,8 +448,15 @@ def _priority_sampler(name: str, batch_size: int, alpha: float, beta, eps: float
         stale = jnp.pad(stale, (0, leaves.shape[0] - stale.shape[0]))  # leaves past the ring hold 0 already
         return replace(state, levels=sumtree.from_leaves(jnp.where(stale, 0.0, leaves), len(state.levels)))
 
+    def retire_slots(state: PriorityState, slots, valid):
+        """Zero the mass of ``slots`` where ``valid``: their leaves and ancestors only, O(m log capacity) (``retire``
+        rebuilds the whole tree, which pays off when many slots go at once, e.g. a staleness bound)."""
+        return replace(state, levels=sumtree.set_leaves(state.levels, slots, jnp.zeros(slots.shape, jnp.float32),
+                                                        valid))
+
     return Sampler(name=name, batch_size=batch_size, min_items=1, init=init,
                    on_insert=insert, sample=sample, update=update, weigh=weigh, retire=retire,
+                   retire_slots=retire_slots,
                    deliverable=None if max_times_sampled is None else _has_mass,
                    sampling_retires=max_times_sampled is not None, relayout=_relayout_priorities)
 

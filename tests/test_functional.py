@@ -339,6 +339,27 @@ def test_item_ids_read_and_retire(shards):
         cj.make_buffer(SPEC, capacity, samplers.uniform(8), mesh=cj.default_mesh(1)).retire(state, ids[:2])
 
 
+def test_retire_writes_only_the_named_leaves_and_keeps_the_tree_exact():
+    """A prioritized buffer's retire touches the named items' leaves (now 0) and their ancestors only, O(m log n):
+    the tree it leaves equals the tree rebuilt from its leaves (the O(capacity) way), bit for bit, and the other
+    leaves keep their masses."""
+    from conduit_jax import sumtree
+
+    buffer = cj.make_buffer(SPEC, 5000, samplers.prioritized(64, alpha=0.6), mesh=cj.default_mesh(1))
+    state = jax.jit(buffer.ingest)(buffer.init(0), items(0, 4000))
+    ids = buffer.item_ids(np.arange(4000))
+    rng = np.random.default_rng(2)
+    state = jax.jit(buffer.update)(state, ids[:64 * 16:16], rng.random(64).astype(np.float32) * 10)
+    before = np.asarray(state.sampler.levels[-1])
+    gone = rng.choice(4000, 50, replace=False)
+    state = jax.jit(buffer.retire)(state, ids[gone])
+    levels = [np.asarray(level) for level in state.sampler.levels]
+    kept = np.setdiff1d(np.arange(5000), gone)
+    assert not levels[-1][gone].any() and np.array_equal(levels[-1][kept], before[kept])
+    for got, want in zip(levels, sumtree.from_leaves(jnp.asarray(levels[-1]), len(levels))):
+        np.testing.assert_array_equal(got, np.asarray(want))
+
+
 def test_buffer_normalised_weights_divide_by_the_smallest_probability():
     """normalise="buffer": w_i = (p_i / p_min)^-beta over every stored item, whatever the batch drew."""
     buffer = cj.make_buffer(SPEC, 16, samplers.prioritized(8, alpha=1.0, beta=0.5, eps=1e-9, normalise="buffer"),

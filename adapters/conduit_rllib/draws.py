@@ -138,8 +138,8 @@ def with_adds(buffer, step, retires: bool = True):
     (``link``: ``full``, ``patch``) and the retirement of the steps they evicted (``retire``: ids, -1 rows are
     padding), in the order one add did them (written, linked, retired; the engine writes the staged rows first).
     The links come out too (donated in, updated). Without ``retires`` (static: no add since the last kernel
-    evicted a step) the retirement is left out: it rebuilds the sum tree from its leaves, O(capacity) whatever the
-    ids (most of a steady draw's kernel time on a 100,000-step ring)."""
+    evicted a step) the retirement is left out. The store writes staged rows in a kernel of their own before a
+    retiring step: beside a run write, the retirement's scatter into the sum tree makes XLA:CPU copy every level."""
 
     def stepped(state, links, full, patch, retire, *args):
         links = link(links, full, patch)

@@ -201,6 +201,8 @@ class EpisodeStore:
             self._engine.add_step(name, draws.with_adds(self._buffer(self.num_shards), step, retires),
                                   1 + self._OUTPUTS[kind], donates=(0,))
             self._given.add(name)
+        if retires and self._engine.staging.count:  # the rows first, in a kernel of their own: the retirement
+            self._engine.flush()  # scatters into the sum tree, and beside a run write XLA:CPU copies every level
         self._links, *outputs = self._engine.call(name, self._links, *self._waiting_adds(), *args)
         return outputs
 
