@@ -76,6 +76,11 @@ class Buffer(NamedTuple):
 
     Every function checks that ``state`` is a state of this buffer (structure, shapes and dtypes: at trace time
     under jit), and raises ``ConfigError`` naming the leaf that differs.
+
+    With a prioritized sampler, call ``ingest`` in a different jitted function from ``update`` and ``retire``: in one
+    XLA:CPU program, a scatter into the sum tree beside an ingest's run write makes XLA copy every level of the tree
+    (megabytes at 100,000 items). The results are the same either way; the plane's engine keeps them in separate
+    kernels for you.
     """
 
     config: ReplayConfig
