@@ -27,7 +27,9 @@ W1_SPEC = {
 POOL_CHUNKS = 32  # distinct random chunks cycled through by every add (identical input for every contender)
 
 
-def _add_op(contender, pools):
+def add_op(contender, pools):
+    """The add metric's operation (W1 and the workloads that time adds the same way): each call adds the next of the
+    contender's prepared chunks, cycling through them."""
     prepared = contender._prepared
     counter = itertools.count()
     n = len(prepared)
@@ -66,7 +68,7 @@ def run(settings: common.Settings, emulated: bool = True) -> list[dict]:
     pools = {"chunks": [peers.random_batch(W1_SPEC, settings.chunk, rng) for _ in range(POOL_CHUNKS)]}
     metrics = [
         common.Metric(f"add_chunk{settings.chunk}", f"add, chunks of {settings.chunk:,} items", "items/s",
-                      settings.chunk, _add_op, applies=lambda c: not isinstance(c, peers.NumpyToJax),
+                      settings.chunk, add_op, applies=lambda c: not isinstance(c, peers.NumpyToJax),
                       reps=settings.add_reps, first_from_fill=True),
         common.Metric(f"sample_b{settings.batch_size}", f"uniform sample, batch {settings.batch_size} (ready)",
                       "samples/s", settings.batch_size, _sample_op(settings.batch_size), reps=settings.sample_reps),

@@ -20,7 +20,7 @@ import itertools
 import numpy as np
 
 from benchmarks import common, peers
-from benchmarks.bench_w1 import POOL_CHUNKS, W1_SPEC, _add_op
+from benchmarks.bench_w1 import POOL_CHUNKS, W1_SPEC, add_op
 
 PRIORITY_POOL = 64
 
@@ -70,7 +70,7 @@ def run(settings: common.Settings, emulated: bool = True) -> list[dict]:
     }
     metrics = [
         common.Metric(f"add_chunk{settings.chunk}", f"PER add, chunks of {settings.chunk:,} items", "items/s",
-                      settings.chunk, _add_op, reps=settings.add_reps, first_from_fill=True),
+                      settings.chunk, add_op, reps=settings.add_reps, first_from_fill=True),
         common.Metric(f"per_cycle_b{settings.batch_size}",
                       f"PER step: sample batch {settings.batch_size} + update its {settings.batch_size} priorities",
                       "samples/s", settings.batch_size, _cycle_op(settings.batch_size), reps=settings.sample_reps,

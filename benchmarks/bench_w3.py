@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from benchmarks import common, peers
-from benchmarks.bench_w1 import _add_op
+from benchmarks.bench_w1 import add_op
 
 W3_SPEC = {
     "obs": ((84, 84, 4), np.uint8),
@@ -73,7 +73,7 @@ def groups(settings: common.Settings) -> list[common.Group]:
     spec, cap, chunk = W3_SPEC, settings.capacity, settings.chunk
     # the derived rows share their buffer with a row that adds already
     derived = (peers.NumpyToJax, peers.ConduitRecycling)
-    add = common.Metric(f"add_chunk{chunk}", f"add, chunks of {chunk} frames", "items/s", chunk, _add_op,
+    add = common.Metric(f"add_chunk{chunk}", f"add, chunks of {chunk} frames", "items/s", chunk, add_op,
                         applies=lambda c: not isinstance(c, derived), reps=settings.add_reps, first_from_fill=True)
     peer_entries = [
         [common.Entry("numpy", lambda: peers.NumpyRing(spec, cap, 256)),

@@ -27,7 +27,7 @@ from __future__ import annotations
 import numpy as np
 
 from benchmarks import common, peers
-from benchmarks.bench_w1 import _add_op
+from benchmarks.bench_w1 import add_op
 
 W5_SPEC = {
     "obs": ((39,), np.float32),
@@ -100,7 +100,7 @@ def run(settings: common.Settings) -> list[dict]:
     pools = {"chunks": [random_chunk(rng, settings.chunk) for _ in range(POOL_CHUNKS)]}
     metrics = [
         common.Metric(f"add_chunk{settings.chunk}", f"add, {CHUNK_STEPS} steps x {STREAMS} envs = {settings.chunk:,} "
-                      f"items", "items/s", settings.chunk, _add_op, reps=settings.add_reps, first_from_fill=True),
+                      f"items", "items/s", settings.chunk, add_op, reps=settings.add_reps, first_from_fill=True),
         common.Metric(f"sample_b{BATCH}x{LENGTH}", f"sample {BATCH} windows of {LENGTH} steps (ready)", "steps/s",
                       BATCH * LENGTH, _sample_op, reps=settings.sample_reps,
                       extra={"batch_size": BATCH, "length": LENGTH, "streams": STREAMS}),

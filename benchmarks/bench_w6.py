@@ -73,7 +73,7 @@ def run(settings) -> list[dict]:
     import jax
 
     from benchmarks import common, peers
-    from benchmarks.bench_w1 import W1_SPEC, _add_op
+    from benchmarks.bench_w1 import W1_SPEC, add_op
 
     common.configure_runtime("w6")  # before the device count below starts the backend
     if jax.device_count() < max(DEVICES):
@@ -87,7 +87,7 @@ def run(settings) -> list[dict]:
         common.Metric(f"sample_b{b}", f"uniform sample, batch {b} (ready)", "samples/s", b,
                       lambda c, pools: (lambda: c.sample(b)), reps=settings.sample_reps),
         common.Metric(f"add_chunk{settings.chunk}", f"add, chunks of {settings.chunk:,} items", "items/s",
-                      settings.chunk, _add_op, reps=settings.add_reps, first_from_fill=True),
+                      settings.chunk, add_op, reps=settings.add_reps, first_from_fill=True),
     ]
     goals = [common.Goal("W6 zero recompiles after warm-up (1-device sample)", "recompiles", f"sample_b{b}", 0)]
     notes = {

@@ -205,7 +205,7 @@ def make_train(config: DQNConfig):
         clock = IterationClock()
         episode_stats, losses = [], []
         decay_steps = max(1.0, config.epsilon_fraction * config.total_env_steps)
-        progress = _progress(config.progress, config.iterations, f"DQN {config.schedule}")
+        progress = progress_bar(config.progress, config.iterations, f"DQN {config.schedule}")
         for iteration in range(config.iterations):
             env_steps = iteration * config.items_per_iteration
             epsilon = config.epsilon_start + (config.epsilon_end - config.epsilon_start) * min(1.0, env_steps /
@@ -230,7 +230,7 @@ def make_train(config: DQNConfig):
             progress.close()
         jax.block_until_ready(learner)
         wall = time.perf_counter() - start
-        curve = _curve(jax.device_get(episode_stats), config.items_per_iteration)
+        curve = return_curve(jax.device_get(episode_stats), config.items_per_iteration)
         result = {
             "algorithm": "DQN" + (f" ({config.n_step}-step)" if config.n_step > 1 else "") + " + PER"
                          + (" (fused sampling)" if config.fused else ""),
@@ -238,11 +238,11 @@ def make_train(config: DQNConfig):
             "env_steps": config.iterations * config.items_per_iteration,
             "learner_steps": len(losses),
             "curve": curve,  # [env steps, mean return of the episodes that ended in that stretch]
-            "train_return": _last_return(jax.device_get(episode_stats)),
+            "train_return": last_return(jax.device_get(episode_stats)),
             "eval_return": float(evaluate(learner.params, eval_rng)),
             "loss_last": float(np.mean(jax.device_get(losses[-20:]))) if losses else None,
             "iteration_us": clock.median_us(),
-            "learner_compute_us": _learner_compute_us(step_jit, learner, delivery) if losses else None,
+            "learner_compute_us": learner_compute_us(step_jit, learner, delivery) if losses else None,
             "stages": plane.stats()["stages"],
             "plane_stats": {k: v for k, v in plane.stats().items() if k != "stages"},
             "wall_s": wall,
@@ -280,7 +280,7 @@ def greedy_return(venv: envs.Env, policy, num_envs: int, rng, max_steps: int = 5
     return run(rng)
 
 
-def _learner_compute_us(step_jit, learner, delivery, reps: int = 20) -> float:
+def learner_compute_us(step_jit, learner, delivery, reps: int = 20) -> float:
     """The learner step's own time on a ready batch (compiled, blocked): what an overlapped sample can hide behind."""
     args = (delivery.data, delivery.weights, delivery.mask)
     learner = jax.tree_util.tree_map(jnp.copy, learner)
@@ -293,7 +293,7 @@ def _learner_compute_us(step_jit, learner, delivery, reps: int = 20) -> float:
     return float(np.median(times) * 1e6)
 
 
-def _curve(stats, items_per_iteration: int, points: int = 40) -> list[list[float]]:
+def return_curve(stats, items_per_iteration: int, points: int = 40) -> list[list[float]]:
     """Episode returns binned over training: [env steps at the bin's end, mean return of episodes ended in it]."""
     sums = np.array([float(s) for s, _ in stats])
     counts = np.array([int(c) for _, c in stats])
@@ -305,7 +305,7 @@ def _curve(stats, items_per_iteration: int, points: int = 40) -> list[list[float
     return out
 
 
-def _last_return(stats, episodes: int = 20) -> float:
+def last_return(stats, episodes: int = 20) -> float:
     """Mean return of (about) the last ``episodes`` episodes that ended during training."""
     total = count = 0.0
     for s, c in reversed(stats):
@@ -315,7 +315,7 @@ def _last_return(stats, episodes: int = 20) -> float:
     return total / count if count else float("nan")
 
 
-def _progress(enabled: bool, total: int, desc: str):
+def progress_bar(enabled: bool, total: int, desc: str):
     if not enabled:
         return None
     from tqdm.auto import tqdm

@@ -33,8 +33,8 @@ from jax.sharding import PartitionSpec as P
 
 from conduit_jax import ExperienceDataPlane, ExperienceSpec, default_mesh, limits, samplers
 from experiments import SCHEDULES, IterationClock, envs, make_schedule
-from experiments.dqn import _curve, _last_return, _learner_compute_us, _progress, add_common_arguments, \
-    greedy_return, run_cli
+from experiments.dqn import add_common_arguments, greedy_return, last_return, learner_compute_us, progress_bar, \
+    return_curve, run_cli
 
 
 @dataclasses.dataclass(frozen=True)
@@ -237,7 +237,7 @@ def make_train(config: PPOConfig):
         step_jit = jax.jit(learner_step, donate_argnums=(0,))
         clock = IterationClock()
         episode_stats, losses, rows_used = [], [], []
-        progress = _progress(config.progress, config.iterations, f"PPO {config.schedule}")
+        progress = progress_bar(config.progress, config.iterations, f"PPO {config.schedule}")
         for version in range(config.iterations):
             actors, items, stats = rollout_jit(actors, learner.params, np.int32(version))
             episode_stats.append(stats)
@@ -263,14 +263,14 @@ def make_train(config: PPOConfig):
             "config": dataclasses.asdict(config),
             "env_steps": config.iterations * config.rollout_size,
             "learner_steps": len(losses),
-            "curve": _curve(stats_host, config.rollout_size),
-            "train_return": _last_return(stats_host),
+            "curve": return_curve(stats_host, config.rollout_size),
+            "train_return": last_return(stats_host),
             "eval_return": float(evaluate(learner.params, eval_rng)),
             "loss_last": float(np.mean(jax.device_get(losses[-16:]))),
             # every delivered row was of the current policy version (masked rows would be stale ones)
             "stale_rows_delivered": int(len(rows_used) * config.minibatch_size - rows_used.sum()),
             "iteration_us": clock.median_us(),
-            "learner_compute_us": _learner_compute_us(step_jit, learner, delivery),
+            "learner_compute_us": learner_compute_us(step_jit, learner, delivery),
             "stages": stats["stages"],
             "plane_stats": {k: v for k, v in stats.items() if k != "stages"},
             "wall_s": wall,

@@ -26,8 +26,8 @@ from jax.sharding import PartitionSpec as P
 
 from conduit_jax import ExperienceDataPlane, ExperienceSpec, default_mesh, samplers
 from experiments import SCHEDULES, IterationClock, envs, make_schedule
-from experiments.dqn import _curve, _last_return, _learner_compute_us, _progress, add_common_arguments, \
-    greedy_return, run_cli
+from experiments.dqn import add_common_arguments, greedy_return, last_return, learner_compute_us, progress_bar, \
+    return_curve, run_cli
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,7 +217,7 @@ def make_train(config: SACConfig):
         step_jit = jax.jit(learner_step, donate_argnums=(0,))
         clock = IterationClock()
         episode_stats, losses = [], []
-        progress = _progress(config.progress, config.iterations, f"SAC {config.schedule}")
+        progress = progress_bar(config.progress, config.iterations, f"SAC {config.schedule}")
         for iteration in range(config.iterations):
             env_steps = iteration * config.items_per_iteration
             actors, items, stats = rollout_jit(actors, learner.actor, env_steps < config.learning_starts)
@@ -248,12 +248,12 @@ def make_train(config: SACConfig):
             "config": dataclasses.asdict(config),
             "env_steps": config.iterations * config.items_per_iteration,
             "learner_steps": len(losses),
-            "curve": _curve(stats_host, config.items_per_iteration),
-            "train_return": _last_return(stats_host, episodes=8),
+            "curve": return_curve(stats_host, config.items_per_iteration),
+            "train_return": last_return(stats_host, episodes=8),
             "eval_return": float(evaluate(learner.actor, eval_rng)),
             "loss_last": float(np.mean(jax.device_get(losses[-20:]))),
             "iteration_us": clock.median_us(),
-            "learner_compute_us": _learner_compute_us(step_with_rng, learner, delivery),
+            "learner_compute_us": learner_compute_us(step_with_rng, learner, delivery),
             "stages": stats["stages"],
             "plane_stats": {k: v for k, v in stats.items() if k != "stages"},
             "wall_s": wall,
