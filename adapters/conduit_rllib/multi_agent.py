@@ -122,6 +122,22 @@ class Windows(NamedTuple):
     n: int
 
 
+class Drawable(NamedTuple):
+    """The ``Windows`` of every n of a sample's n-step range as one table (pick p: env step p of their concatenation,
+    with its n), ``offsets`` padded to ``compile_size`` of the largest n."""
+
+    keys: np.ndarray  # int64[E]
+    first: np.ndarray  # int64[E]
+    count: np.ndarray  # int64[E]
+    key_n: np.ndarray  # int64[E]: the n of each env step's windows
+    module: np.ndarray  # int64[W]
+    agent: np.ndarray  # int64[W]
+    rows: np.ndarray  # int32[W]
+    steps: np.ndarray  # int32[W]
+    offsets: np.ndarray  # int64[W, compile_size(high)]
+    window_n: np.ndarray  # int64[W]: the n of each window
+
+
 class MultiAgentStore:
     """The shared implementation of the multi-agent buffers (see the module docstring); ``prioritized``: each
     module's store draws by priority (RLlib's ``MultiAgentPrioritizedEpisodeReplayBuffer``); ``adaptive_rule``: the
@@ -172,7 +188,8 @@ class MultiAgentStore:
         self._num_timesteps = self._num_timesteps_added = self._num_episodes_evicted = 0
         self._num_agent_timesteps = self._num_agent_timesteps_added = 0
         self.sampled_timesteps = 0
-        self._windows_cache: dict = {}  # (n, modules) -> Windows, for the episodes stored now (emptied by add)
+        # (n, modules) -> Windows and (n range, modules) -> Drawable, for the episodes stored now (emptied by add)
+        self._windows_cache: dict = {}
         self._agent_ids: dict = {}  # agent id -> its number in Windows.agent
         self._last_synchronized = False  # the last sample was synchronized (no priorities to update)
 
@@ -422,6 +439,26 @@ class MultiAgentStore:
         self._windows_cache[key] = windows
         return windows
 
+    def _drawable(self, n_steps: tuple, modules: list) -> Drawable:
+        """The windows of every n in ``n_steps`` (inclusive) for ``modules`` as one table (``Drawable``); kept until
+        the next add, as ``_windows`` are."""
+        key = (n_steps, tuple(modules))
+        if key in self._windows_cache:
+            return self._windows_cache[key]
+        tables = [self._windows(n, modules) for n in range(n_steps[0], n_steps[1] + 1)]
+        longest = compile_size(n_steps[1])
+        base = np.cumsum([0] + [table.module.size for table in tables])[:-1]
+        joined = Drawable(
+            np.concatenate([table.keys for table in tables]),
+            np.concatenate([table.first + at for table, at in zip(tables, base)]),
+            np.concatenate([table.count for table in tables]),
+            np.concatenate([np.full(table.keys.size, table.n) for table in tables]),
+            *(np.concatenate([getattr(table, f) for table in tables]) for f in ("module", "agent", "rows", "steps")),
+            np.concatenate([np.pad(table.offsets, ((0, 0), (0, longest - table.n))) for table in tables]),
+            np.concatenate([np.full(table.module.size, table.n) for table in tables]))
+        self._windows_cache[key] = joined
+        return joined
+
     def _sample_synchronized(self, size: int, n_steps: tuple, gamma: float, modules: list, infos: bool,
                              extras: bool) -> dict:
         """RLlib's synchronized multi-agent sample, without its 2.60 bugs: ``size`` env steps drawn uniformly (with
@@ -434,29 +471,19 @@ class MultiAgentStore:
         One gather kernel per module over the agent steps' ring rows; the host only maps env steps to ring rows."""
         name = type(self).__name__
         low, high = n_steps
-        tables = [self._windows(n, modules) for n in range(low, high + 1)]
-        totals = np.array([table.keys.size for table in tables])
-        if not totals.sum():
+        table = self._drawable(n_steps, modules)
+        if not table.keys.size:
             raise ValueError(f"{name}.sample(): no stored env step has an agent of modules_to_sample {modules!r} "
                              f"that acted there and is observed n_step={low if low == high else (low, high + 1)} "
                              f"env steps later; sample a smaller n_step, other modules, or add longer episodes")
-        # the tables as one: pick p is env step (with its n) p of their concatenation
         longest = compile_size(high)
-        base = np.cumsum([0] + [table.module.size for table in tables])[:-1]
-        first = np.concatenate([table.first + at for table, at in zip(tables, base)])
-        count = np.concatenate([table.count for table in tables])
-        keys = np.concatenate([table.keys for table in tables])
-        module, agents, rows, steps = (np.concatenate([getattr(table, f) for table in tables])
-                                       for f in ("module", "agent", "rows", "steps"))
-        offsets = np.concatenate([np.pad(table.offsets, ((0, 0), (0, longest - table.n))) for table in tables])
-        n_of = np.concatenate([np.full(table.module.size, table.n) for table in tables])
-        picks = self.rng.integers(int(totals.sum()), size=size)
+        picks = self.rng.integers(table.keys.size, size=size)
+        keys, first, count = table.keys[picks], table.first[picks], table.count[picks]
         # every picked env step's windows, in draw order
-        taken = np.repeat(first[picks] - np.cumsum(count[picks]) + count[picks], count[picks]) + \
-            np.arange(int(count[picks].sum()))
-        module, agents, rows, steps = module[taken], agents[taken], rows[taken], steps[taken]
-        offsets, n_of = offsets[taken], n_of[taken]
-        episode_of = np.repeat(keys[picks] >> 32, count[picks])  # each row's stored episode (its number)
+        taken = np.repeat(first - np.cumsum(count) + count, count) + np.arange(int(count.sum()))
+        module, agents, rows, steps = table.module[taken], table.agent[taken], table.rows[taken], table.steps[taken]
+        offsets, n_of = table.offsets[taken], table.window_n[taken]
+        episode_of = np.repeat(keys >> 32, count)  # each row's stored episode (its number)
         out, metrics = {}, collections.defaultdict(dict)
         for place, module_id in enumerate(modules):
             mine = np.flatnonzero(module == place)
@@ -499,9 +526,8 @@ class MultiAgentStore:
         self.sampled_timesteps += size
         self._last_synchronized = True
         self._logged.update_sample(
-            self, num_env_steps_sampled=size, num_episodes_per_sample=len(set((keys[picks] >> 32).tolist())),
-            num_env_steps_per_sample=len(set(keys[picks].tolist())),
-            sampled_n_step=float(np.mean(np.concatenate([np.full(t.keys.size, t.n) for t in tables])[picks])),
+            self, num_env_steps_sampled=size, num_episodes_per_sample=len(set((keys >> 32).tolist())),
+            num_env_steps_per_sample=len(set(keys.tolist())), sampled_n_step=float(np.mean(table.key_n[picks])),
             num_resamples=0, **metrics)
         return out
 
