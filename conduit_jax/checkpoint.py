@@ -164,7 +164,6 @@ class _Lineage:
 
 
 _lineages: "weakref.WeakKeyDictionary[Any, dict[str, _Lineage]]" = weakref.WeakKeyDictionary()
-_kernels: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -425,15 +424,16 @@ def _metadata(plane, counts, lineage: str, delta, base_step) -> dict:
 # kernels: snapshot copies, increments, digests
 # ------------------------------------------------------------------------------------------------------------------
 def _plane_kernels(plane) -> dict:
-    """The plane's snapshot kernels, rebuilt when its config or shardings change (``replan`` moves the state)."""
-    cached = _kernels.get(plane)
-    if cached is not None and cached["config"] is plane.config and cached["shardings"] is plane.shardings:
-        return cached
-    config, shardings = plane.config, plane.shardings
+    """The plane's snapshot kernels, kept by its engine (a ``replan`` builds a new engine, and new kernels with it)."""
+    return plane.engine.beside.get("checkpoint", lambda: _snapshot_kernels(plane.engine))
+
+
+def _snapshot_kernels(plane_engine) -> dict:
+    config, shardings = plane_engine.config, plane_engine.shardings
     copy = engine.compiled(lambda state: jax.tree_util.tree_map(jnp.copy, state), "checkpoint_copy",
                            out_shardings=shardings)
     abstract = jax.tree_util.tree_map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                                      _abstract_state(plane.config), shardings)
+                                      plane_engine.abstract, shardings)
     copy_ready = []
 
     def copy_compiled():
@@ -479,10 +479,8 @@ def _plane_kernels(plane) -> dict:
         return kernel
 
     compiled = set()
-    kernels = {"copy": copy, "copy_compiled": copy_compiled, "delta": delta, "delta_compiled": delta_compiled,
-               "compiled": compiled, "config": config, "shardings": shardings}
-    _kernels[plane] = kernels
-    return kernels
+    return {"copy": copy, "copy_compiled": copy_compiled, "delta": delta, "delta_compiled": delta_compiled,
+            "compiled": compiled}
 
 
 def _abstract_state(config):

@@ -26,7 +26,7 @@ import collections
 import functools
 import re
 import threading
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -138,6 +138,22 @@ def compiled(fn, name: str, counter: Optional[collections.Counter] = None, **jit
 COMPILES: collections.Counter = collections.Counter()  # compilations of the kernels ``compiled`` built, by name
 
 
+class KernelCache:
+    """Kernels a module beside an engine builds over that engine's config and placement (a checkpoint's snapshot
+    copy): each built on its first use and kept as long as the engine. A plane that moves its state (``replan``)
+    builds a new engine, so kernels compiled for the old placement go with the old engine."""
+
+    def __init__(self):
+        self._kernels: dict[Any, Any] = {}
+
+    def get(self, key, build: Callable[[], Any]):
+        """The kernel kept under ``key``; ``build()`` makes it on the first call."""
+        kernel = self._kernels.get(key)
+        if kernel is None:
+            kernel = self._kernels[key] = build()
+        return kernel
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # priority updates travel as one array
 # ------------------------------------------------------------------------------------------------------------------
@@ -215,6 +231,7 @@ class Engine:
         self.dispatches: collections.Counter = collections.Counter()  # kernel name -> calls (status reads apart)
         # (step, update rows, (staged rows, host-packed) or None, recycles) -> (compiled kernel, its name)
         self._kernels: dict[tuple, Any] = {} if kernels is None else kernels
+        self.beside = KernelCache()  # kernels other modules build over this engine's state (checkpoint.py)
         self._mirrors = bool(mirror_status)
         self._steps = {"": (lambda state: (state,), 0),
                        "sample": (functools.partial(replay.sample, config), 1),
@@ -684,6 +701,7 @@ class RolloutEngine:
         self.compiles: collections.Counter = collections.Counter()  # kernel name -> XLA compilations
         self.dispatches: collections.Counter = collections.Counter()  # kernel name -> calls
         self._kernels: dict[tuple[str, int], Any] = {}
+        self.beside = KernelCache()  # kernels other modules build over this engine's state (rollout_checkpoint.py)
 
     @property
     def state(self) -> "rollouts.RolloutState":

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import time
 import warnings
-import weakref
 from typing import Any, NamedTuple, Optional
 
 import jax
@@ -53,7 +52,6 @@ SETTINGS = ("spec", "token_capacity", "group_capacity", "groups_per_batch", "lay
 all_steps = checkpoint.all_steps  # the finished steps of a directory, oldest first
 latest_step = checkpoint.latest_step
 
-_copies: "weakref.WeakKeyDictionary[Any, tuple]" = weakref.WeakKeyDictionary()  # plane -> (buffer, copy kernel)
 
 
 # -- save -------------------------------------------------------------------------------------------------------------
@@ -86,20 +84,19 @@ def save(plane, directory, held, *, step: Optional[int] = None, max_to_keep: Opt
 
 
 def _copy_kernel(plane):
-    """The plane's state copied, compiled once per buffer."""
-    cached = _copies.get(plane)
-    if cached is None or cached[0] is not plane.buffer:
-        buffer = plane.buffer
+    """The plane's state copied, compiled once per engine."""
+    return plane.engine.beside.get("checkpoint_copy", lambda: _compiled_copy(plane.buffer))
 
-        def copy(state):
-            return jax.tree.map(jnp.copy, state)
 
-        kernel = engine.compiled(copy, "rollout_checkpoint_copy", out_shardings=buffer.shardings)
-        abstract = jax.tree.map(lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
-                                jax.eval_shape(buffer.init), buffer.shardings)
-        kernel.lower(abstract).compile()
-        cached = _copies[plane] = (buffer, kernel)
-    return cached[1]
+def _compiled_copy(buffer):
+    def copy(state):
+        return jax.tree.map(jnp.copy, state)
+
+    kernel = engine.compiled(copy, "rollout_checkpoint_copy", out_shardings=buffer.shardings)
+    abstract = jax.tree.map(lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
+                            jax.eval_shape(buffer.init), buffer.shardings)
+    kernel.lower(abstract).compile()
+    return kernel
 
 
 def _metadata(plane) -> dict:
