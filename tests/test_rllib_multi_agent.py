@@ -219,6 +219,7 @@ def test_state_round_trip_keeps_counts(cls):
 @pytest.mark.parametrize("cls", CONDUIT, ids=by_name)
 def test_restored_buffer_draws_what_the_original_draws(cls, tmp_path):
     buffer = filled(cls, 7, 30, offsets=True)
+    buffer.sample(batch_size_B=8, replay_mode="synchronized")  # advances the buffer's own generator
     restored = cls(capacity=10_000)
     conduit_rllib.load_buffer(restored, conduit_rllib.save_buffer(buffer, tmp_path / "buffer"))
     for _ in range(3):
@@ -229,6 +230,12 @@ def test_restored_buffer_draws_what_the_original_draws(cls, tmp_path):
             priorities = np.linspace(0.1, 2.0, 16)
             for target in (buffer, restored):
                 target.update_priorities(priorities, "module_2")
+    a, b = (target.sample(batch_size_B=8, replay_mode="synchronized") for target in (buffer, restored))
+    assert a.keys() == b.keys()
+    for module_id in a:
+        assert a[module_id].keys() == b[module_id].keys()
+        for column in a[module_id]:
+            np.testing.assert_array_equal(np.asarray(a[module_id][column]), np.asarray(b[module_id][column]))
 
 
 @pytest.mark.parametrize("cls", CONDUIT, ids=by_name)

@@ -593,6 +593,7 @@ class MultiAgentStore:
                              "num_agent_timesteps": self._num_agent_timesteps,
                              "num_agent_timesteps_added": self._num_agent_timesteps_added,
                              "sampled_timesteps": self.sampled_timesteps},
+                "rng": self.rng.bit_generator.state,  # synchronized draws continue where they were
                 "episodes": [{"id": record.id_, "env_steps": record.env_steps, "agent_steps": record.agent_steps,
                               "agents": [[agent_id, *part] for agent_id, part in record.agents.items()],
                               "env_t": [[agent_id, env_t] for agent_id, env_t in record.env_t.items()]}
@@ -643,3 +644,5 @@ class MultiAgentStore:
         self._num_agent_timesteps = counters["num_agent_timesteps"]
         self._num_agent_timesteps_added = counters["num_agent_timesteps_added"]
         self.sampled_timesteps = counters["sampled_timesteps"]
+        if "rng" in state:  # states saved before it was kept restart the synchronized draws from the seed
+            self.rng.bit_generator.state = state["rng"]
