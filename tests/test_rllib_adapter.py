@@ -412,6 +412,19 @@ def test_scheduled_buffers_hand_over_batches_drawn_ahead_without_evicted_steps(s
         conduit_rllib.ConduitEpisodeReplayBuffer(schedule="eager")
 
 
+def test_schedule_key_takes_the_core_schedules_a_buffer_runs():
+    from conduit_jax import schedule
+
+    for word, made in (("sync", schedule.sync()), ("sync", schedule.staged()), ("overlap", schedule.overlap(1)),
+                       ("deferred", schedule.deferred(1, 1)), ("adaptive", schedule.adaptive(1, 1))):
+        assert conduit_rllib.ConduitPrioritizedEpisodeReplayBuffer(capacity=100, schedule=made).schedule == word
+    for deeper in (schedule.overlap(2), schedule.deferred(2, 1), schedule.adaptive(4, 1)):
+        with pytest.raises(ValueError, match=r"schedule must be one of .*overlap\(1\).*at most one ahead"):
+            conduit_rllib.ConduitPrioritizedEpisodeReplayBuffer(capacity=100, schedule=deeper)
+    buffer = conduit_rllib.ConduitMultiAgentPrioritizedEpisodeReplayBuffer(capacity=100, schedule=schedule.overlap(1))
+    assert buffer.schedule == "overlap"
+
+
 def test_adaptive_schedule_rule():
     """Overlap while sample() waits at most 10% of a learner update for the batch drawn ahead; deferred once it
     waits more; overlap tried again after 32 deferred batches."""

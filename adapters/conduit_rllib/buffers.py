@@ -69,7 +69,11 @@ RLlib would and computes the weights. An ``add`` that would overwrite a step RLl
   deferred once it does (when RLlib runs several updates back to back, nothing separates an update from the next
   ``sample()``, so the overlap draw cannot finish in time), trying overlap again every 32 batches
   (``adaptive_choice``): a batch never misses more than one priority update. ``stats()`` counts the batches drawn
-  ahead each way and those ``sample()`` waited for.
+  ahead each way and those ``sample()`` waited for. The key also takes the core's schedules that say the same
+  (``CORE_SCHEDULES``): ``conduit_jax.schedule.sync()`` or ``staged()`` for ``"sync"`` (adds are staged under every
+  schedule: a copy, written by the next draw's kernel), ``overlap(1)``, ``deferred(1, 1)`` and ``adaptive(1, 1)``.
+  RLlib asks for one batch at a time and may change its request between calls, so a buffer draws at most one batch
+  ahead; deeper schedules are refused.
 
 * **Multi-agent** (``ConduitMultiAgentEpisodeReplayBuffer``, ``ConduitMultiAgentPrioritizedEpisodeReplayBuffer``,
   for RLlib's ``MultiAgentEpisodeReplayBuffer`` / ``MultiAgentPrioritizedEpisodeReplayBuffer``): whole oldest
@@ -115,11 +119,12 @@ from conduit_rllib.draws import MOST_CANDIDATES, candidate_count
 from conduit_rllib.episode_index import EXACT, StoredEpisode
 from conduit_rllib.multi_agent import (MULTI_AGENT_STATE_FORMAT, AgentSteps, MultiAgentStore,
                                        StoredMultiAgentEpisode)
-from conduit_rllib.store import (ADAPTIVE_RETRY_AFTER, ADAPTIVE_WAIT_SHARE, PRIORITY_FLOOR, SCHEDULES, STATE_FORMAT,
-                                 STATE_VERSION, STORAGE_FACTOR, CLASS_ARGUMENTS, EpisodeStore, adaptive_choice)
+from conduit_rllib.store import (ADAPTIVE_RETRY_AFTER, ADAPTIVE_WAIT_SHARE, CORE_SCHEDULES, PRIORITY_FLOOR, SCHEDULES,
+                                 STATE_FORMAT, STATE_VERSION, STORAGE_FACTOR, CLASS_ARGUMENTS, EpisodeStore,
+                                 adaptive_choice)
 
 __all__ = [
-    "ADAPTIVE_RETRY_AFTER", "ADAPTIVE_WAIT_SHARE", "EXACT", "MOST_CANDIDATES", "MULTI_AGENT_STATE_FORMAT",
+    "ADAPTIVE_RETRY_AFTER", "ADAPTIVE_WAIT_SHARE", "CORE_SCHEDULES", "EXACT", "MOST_CANDIDATES", "MULTI_AGENT_STATE_FORMAT",
     "PRIORITY_FLOOR", "SCHEDULES", "STATE_FORMAT", "STATE_VERSION", "STORAGE_FACTOR", "AgentSteps", "ConduitBatch",
     "ConduitEpisodeReplayBuffer", "ConduitMultiAgentEpisodeReplayBuffer",
     "ConduitMultiAgentPrioritizedEpisodeReplayBuffer", "ConduitPrioritizedEpisodeReplayBuffer", "StoredEpisode",

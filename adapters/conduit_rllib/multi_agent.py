@@ -35,6 +35,7 @@ from ray.rllib.utils import force_list
 from ray.rllib.utils.metrics.metrics_logger import MetricsLogger
 
 from conduit_jax.replay import compile_size
+from conduit_jax.schedule import Schedule
 from conduit_rllib.draws import Request, exact_values, n_range, to_host
 from conduit_rllib.metrics import BufferMetrics
 from conduit_rllib.store import STATE_VERSION, EpisodeStore, adaptive_choice
@@ -146,7 +147,7 @@ class MultiAgentStore:
     def __init__(self, capacity: int = 10000, *, batch_size_B: int = 16, batch_length_T: int = 1,
                  metrics_num_episodes_for_smoothing: int = 100, n_step: int = 1, alpha: float = 1.0,
                  beta: float = 0.0, num_shards: int = 1, seed: int = 0, deliver: str = "episodes",
-                 schedule: str = "sync", agents_per_module: Optional[int] = None, prioritized: bool = False,
+                 schedule: Union[str, Schedule] = "sync", agents_per_module: Optional[int] = None, prioritized: bool = False,
                  adaptive_rule: Callable[[str, float, float, int], str] = adaptive_choice, **kwargs):
         self._prioritized = bool(prioritized)
         name = type(self).__name__

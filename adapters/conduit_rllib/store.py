@@ -33,6 +33,7 @@ from ray.rllib.utils import force_list
 from ray.rllib.utils.metrics.metrics_logger import MetricsLogger
 
 from conduit_jax import ExperienceSpec, default_mesh, engine, make_buffer, samplers
+from conduit_jax import schedule as schedules
 from conduit_jax.replay import compile_size
 from conduit_rllib import draws
 from conduit_rllib.batch import ConduitBatch, train_columns
@@ -55,6 +56,36 @@ ADAPTIVE_WAIT_SHARE = 0.1  # adaptive: overlap gives way once sample() waits mor
 ADAPTIVE_RETRY_AFTER = 32  # adaptive: overlap is tried again after this many batches drawn the deferred way
 _BUFFERS: dict = {}  # (layout, sampler batch size) -> functional Buffer; the state is each buffer's own
 _KERNELS: dict = {}  # layout -> the compiled kernels of its stores' engines (one cache, shared)
+
+
+# the core's schedules (``conduit_jax.schedule``) a store runs, by the word it runs them under. RLlib's sample() asks
+# for one batch at a time and may change its request (size, n_step, beta) from one call to the next, so a store draws
+# at most one batch ahead (depth 1) and a batch misses at most one priority update (k 1). Adds are staged (a copy,
+# written by the next draw's kernel) under every schedule, so the core's sync() and staged() both run as "sync".
+CORE_SCHEDULES = {"sync": (schedules.sync(), schedules.staged()), "overlap": (schedules.overlap(1),),
+                  "deferred": (schedules.deferred(1, 1),), "adaptive": (schedules.adaptive(1, 1),)}
+
+
+def schedule_word(schedule, where: str) -> str:
+    """The word in ``SCHEDULES`` a store runs for RLlib's ``"schedule"`` key: that word, or a ``conduit_jax.schedule``
+    value in ``CORE_SCHEDULES``. ValueError naming what came and what is taken otherwise."""
+    if isinstance(schedule, str) and schedule in SCHEDULES:
+        return schedule
+    if isinstance(schedule, schedules.Schedule):
+        for word, runs in CORE_SCHEDULES.items():
+            if schedule in runs:
+                return word
+    taken = ", ".join(f"{s.name}({', '.join(map(str, _arguments(s)))})" for runs in CORE_SCHEDULES.values()
+                      for s in runs)
+    raise ValueError(f"{where}: schedule must be one of {SCHEDULES} or one of the core's schedules {taken} "
+                     f"(RLlib asks for one batch at a time, so a buffer draws at most one ahead and a batch misses at "
+                     f"most one priority update), got {schedule!r}")
+
+
+def _arguments(schedule) -> tuple:
+    """The arguments of the ``conduit_jax.schedule`` constructor that makes ``schedule``."""
+    return {"overlap": (schedule.depth,), "deferred": (schedule.defer, schedule.depth),
+            "adaptive": (schedule.depth, schedule.defer)}.get(schedule.name, ())
 
 
 def adaptive_choice(current: str, waited_s: float, learner_s: float, deferred_batches: int) -> str:
@@ -84,7 +115,7 @@ class EpisodeStore:
     def __init__(self, capacity: int = 10000, *, batch_size_B: int = 16, batch_length_T: int = 1,
                  metrics_num_episodes_for_smoothing: int = 100, n_step: int = 1, alpha: float = 1.0,
                  beta: float = 0.0, num_shards: int = 1, seed: int = 0, deliver: str = "episodes",
-                 schedule: str = "sync", prioritized: bool = False, redraws: bool = False,
+                 schedule: Union[str, schedules.Schedule] = "sync", prioritized: bool = False, redraws: bool = False,
                  label: Optional[str] = None, ring_advice: str = RING_ADVICE,
                  adaptive_rule: Callable[[str, float, float, int], str] = adaptive_choice,
                  config_ignored: tuple = (), **kwargs):
@@ -102,8 +133,7 @@ class EpisodeStore:
                              f"takes any n_step)")
         if deliver not in ("episodes", "torch"):
             raise ValueError(f"{name}: deliver must be 'episodes' or 'torch', got {deliver!r}")
-        if schedule not in SCHEDULES:
-            raise ValueError(f"{name}: schedule must be one of {SCHEDULES}, got {schedule!r}")
+        schedule = schedule_word(schedule, name)
         for key, value in (("alpha", alpha), ("beta", beta)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not np.isfinite(value) or value < 0:
                 raise ValueError(f"{name}: {key} must be a finite number >= 0, got {value!r}")
