@@ -53,7 +53,6 @@ all_steps = checkpoint.all_steps  # the finished steps of a directory, oldest fi
 latest_step = checkpoint.latest_step
 
 
-
 # -- save -------------------------------------------------------------------------------------------------------------
 def save(plane, directory, held, *, step: Optional[int] = None, max_to_keep: Optional[int] = 3,
          block: bool = False) -> SaveHandle:

@@ -124,8 +124,9 @@ from conduit_rllib.store import (ADAPTIVE_RETRY_AFTER, ADAPTIVE_WAIT_SHARE, CORE
                                  adaptive_choice)
 
 __all__ = [
-    "ADAPTIVE_RETRY_AFTER", "ADAPTIVE_WAIT_SHARE", "CORE_SCHEDULES", "EXACT", "MOST_CANDIDATES", "MULTI_AGENT_STATE_FORMAT",
-    "PRIORITY_FLOOR", "SCHEDULES", "STATE_FORMAT", "STATE_VERSION", "STORAGE_FACTOR", "AgentSteps", "ConduitBatch",
+    "ADAPTIVE_RETRY_AFTER", "ADAPTIVE_WAIT_SHARE", "CORE_SCHEDULES", "EXACT", "MOST_CANDIDATES",
+    "MULTI_AGENT_STATE_FORMAT", "PRIORITY_FLOOR", "SCHEDULES", "STATE_FORMAT", "STATE_VERSION", "STORAGE_FACTOR",
+    "AgentSteps", "ConduitBatch",
     "ConduitEpisodeReplayBuffer", "ConduitMultiAgentEpisodeReplayBuffer",
     "ConduitMultiAgentPrioritizedEpisodeReplayBuffer", "ConduitPrioritizedEpisodeReplayBuffer", "StoredEpisode",
     "StoredMultiAgentEpisode", "adaptive_choice", "candidate_count",

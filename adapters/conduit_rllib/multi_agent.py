@@ -147,7 +147,8 @@ class MultiAgentStore:
     def __init__(self, capacity: int = 10000, *, batch_size_B: int = 16, batch_length_T: int = 1,
                  metrics_num_episodes_for_smoothing: int = 100, n_step: int = 1, alpha: float = 1.0,
                  beta: float = 0.0, num_shards: int = 1, seed: int = 0, deliver: str = "episodes",
-                 schedule: Union[str, Schedule] = "sync", agents_per_module: Optional[int] = None, prioritized: bool = False,
+                 schedule: Union[str, Schedule] = "sync", agents_per_module: Optional[int] = None,
+                 prioritized: bool = False,
                  adaptive_rule: Callable[[str, float, float, int], str] = adaptive_choice, **kwargs):
         self._prioritized = bool(prioritized)
         name = type(self).__name__
