@@ -878,14 +878,21 @@ def _fmt(x) -> str:
     return "n/a" if x is None else f"{x:.3g}"
 
 
+def _vs_naive(ratio, percent: bool = False) -> str:
+    """A ratio to the naive path's figure for the table; n/a when the naive path was not run (``--paths``)."""
+    if ratio is None:
+        return "n/a"
+    return f"{100 * ratio:.0f}%" if percent else f"{ratio:.2f}x"
+
+
 def format_table(report: dict) -> str:
     lines = [f"{'mode':<8} {'path':<15} {'efficiency':>10} {'learner tok/s':>13} {'vs naive':>8} {'step ms':>8} "
              f"{'exposed ms':>10} {'vs naive':>8} {'groups/step':>11} {'reward':>13} {'stale d/m':>9}"]
     for e in report["table"]:
         lines.append(f"{e['mode']:<8} {e['path']:<15} {e['packing_efficiency']:>10.3f} "
-                     f"{e['learner_tokens_per_s']:>13,.0f} {e['learner_tokens_per_s_vs_naive']:>7.2f}x "
+                     f"{e['learner_tokens_per_s']:>13,.0f} {_vs_naive(e['learner_tokens_per_s_vs_naive']):>8} "
                      f"{e['learner_step_ms']:>8.2f} {e['exposed_ms_median']:>10.3f} "
-                     f"{100 * e['exposed_vs_naive']:>7.0f}% {e['groups_per_step']:>11.1f} "
+                     f"{_vs_naive(e['exposed_vs_naive'], percent=True):>8} {e['groups_per_step']:>11.1f} "
                      f"{e['initial_reward']:>5.2f} -> {e['final_reward']:.2f} "
                      f"{str(e['dropped_stale_groups']) + '/' + str(e['masked_stale_groups']):>9}")
     lines.append("medians over seeds; efficiency: useful / computed tokens in learner batches; learner tok/s: useful "
@@ -959,11 +966,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--schedule", choices=("overlap", "adaptive"), default=defaults.overlap_schedule,
                         help="the Conduit plane's schedule in overlap mode (sync mode: staged)")
     parser.add_argument("--no-scale-advantages", action="store_true", help="advantage = reward - group mean")
+    parser.add_argument("--rows", type=int, default=None, help=f"rows of the packed layout's token budget "
+                                                                f"(default {defaults.rows}; --quick {QUICK['rows']})")
+    parser.add_argument("--row-length", type=int, default=None,
+                        help=f"tokens per packed row (default {defaults.row_length})")
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args(argv)
     overrides = dict(QUICK) if args.quick else {}
-    if args.iterations is not None:
-        overrides["iterations"] = args.iterations
+    for key in ("iterations", "rows", "row_length"):
+        if getattr(args, key) is not None:
+            overrides[key] = getattr(args, key)
     config = dataclasses.replace(defaults, max_staleness=args.max_staleness, overlap_schedule=args.schedule,
                                  scale_advantages=not args.no_scale_advantages, **overrides)
     seeds = list(range(args.seeds if args.seeds is not None else 2 if args.quick else 3))
