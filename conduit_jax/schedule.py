@@ -55,6 +55,12 @@ class Schedule(NamedTuple):
     adaptive: bool = False
     stage: bool = True  # ingests are staged on the host and written by the next kernel (False: a kernel per ingest)
 
+    def arguments(self) -> tuple:
+        """The arguments of the constructor (``schedule.<name>``) that makes this schedule: ``overlap(depth)``,
+        ``deferred(k, depth)``, ``adaptive(max_depth, k)``; none for ``sync`` and ``staged``."""
+        return {"overlap": (self.depth,), "deferred": (self.defer, self.depth),
+                "adaptive": (self.depth, self.defer)}.get(self.name, ())
+
     def next_depth(self, depth: int, exposed_s: float, learner_s: float) -> int:
         """The adaptive rule, from smoothed stage times: one more batch in flight while the learner still waits a
         noticeable part (10%) of its step, one fewer when it waits almost never (<1%), within [1, max_depth]. The
@@ -98,12 +104,11 @@ def adaptive(max_depth: int = 4, k: int = 1) -> Schedule:
 def rebuilt(schedule: Schedule, where: str) -> Schedule:
     """``schedule`` rebuilt through its constructor (``sync``, ``overlap``, ``deferred``, ``adaptive``), so a
     hand-made or recorded ``Schedule`` gets the constructors' checks; ConfigError naming what is wrong."""
-    name, depth, defer = schedule.name, schedule.depth, schedule.defer
-    made = {"sync": lambda: sync(), "staged": lambda: staged(), "overlap": lambda: overlap(depth),
-            "deferred": lambda: deferred(defer, depth), "adaptive": lambda: adaptive(depth, defer)}.get(name)
+    name = schedule.name
+    made = {"sync": sync, "staged": staged, "overlap": overlap, "deferred": deferred, "adaptive": adaptive}.get(name)
     if made is None:
         raise ConfigError(f"{where}: schedule name must be sync, staged, overlap, deferred or adaptive, got {name!r}")
-    result = made()
+    result = made(*schedule.arguments())
     if result != schedule:
         raise ConfigError(f"{where}: {schedule} is not what schedule.{name}() makes ({result}); build it with "
                           f"schedule.{name}(...)")

@@ -75,17 +75,12 @@ def schedule_word(schedule, where: str) -> str:
         for word, runs in CORE_SCHEDULES.items():
             if schedule in runs:
                 return word
-    taken = ", ".join(f"{s.name}({', '.join(map(str, _arguments(s)))})" for runs in CORE_SCHEDULES.values()
+    taken = ", ".join(f"{s.name}({', '.join(map(str, s.arguments()))})" for runs in CORE_SCHEDULES.values()
                       for s in runs)
     raise ValueError(f"{where}: schedule must be one of {SCHEDULES} or one of the core's schedules {taken} "
                      f"(RLlib asks for one batch at a time, so a buffer draws at most one ahead and a batch misses at "
                      f"most one priority update), got {schedule!r}")
 
-
-def _arguments(schedule) -> tuple:
-    """The arguments of the ``conduit_jax.schedule`` constructor that makes ``schedule``."""
-    return {"overlap": (schedule.depth,), "deferred": (schedule.defer, schedule.depth),
-            "adaptive": (schedule.depth, schedule.defer)}.get(schedule.name, ())
 
 
 def adaptive_choice(current: str, waited_s: float, learner_s: float, deferred_batches: int) -> str:
