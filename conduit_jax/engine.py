@@ -299,7 +299,7 @@ class Engine:
             return kernel[0]
         config = self.config
         step, own_outputs = self._steps[step_name]
-        _, step_donates, _ = self._step_options.get(step_name, _BUILT_IN_STEP)
+        _, step_donates, _, _ = self._step_options.get(step_name, _BUILT_IN_STEP)
         writes = self._writes(step_name, staged)
         reports = self.reports_deliverable and (staged is not None or step_name == "version" or (
             step_name == "sample" and config.sampler.sampling_retires))
@@ -351,6 +351,8 @@ class Engine:
         doing either alone does not."""
         if write and self.pending and (block is not None or self.staging.count):
             self._dispatch("", write=False)
+        if write and self.staging.count and self._step_options.get(step_name, _BUILT_IN_STEP)[3]:
+            self._dispatch("")  # a step that scatters into the index: the rows in a kernel of their own first
         storage_large, rest_large, small = self._live_form
         updates = self._take_updates()
         args: list = [] if recycle is None else [recycle]
@@ -490,7 +492,7 @@ class Engine:
 
     # -- a caller's own steps ------------------------------------------------------------------------------------------
     def add_step(self, name: str, step, num_outputs: int, *, writes: bool = False, donates: tuple = (),
-                 keeps_status: bool = False) -> None:
+                 keeps_status: bool = False, rows_apart: bool = False) -> None:
         """Give the engine a pure ``step(state, *args) -> (state', *outputs)`` (``num_outputs`` outputs) that
         ``call(name, *args)`` runs in the engine's own kernel path: the pending updates, then the staged rows, then
         the step, in one dispatch (counted in ``dispatches`` and its compilations in ``compiles`` under the kernel's
@@ -501,14 +503,18 @@ class Engine:
         stays in place). ``donates``: positions in ``args`` of arguments the step consumes (donated to the kernel,
         e.g. an array it returns updated). ``keeps_status``: the step leaves the size, the deliverable count and the
         limiter's balance as they were, so the host's copy of them stays valid (else it is read from the device again
-        when a host policy or a staged ingest needs it). ConfigError if ``name`` is taken."""
+        when a host policy or a staged ingest needs it). ``rows_apart``: the step scatters into the sampler's index (a
+        retirement, a priority update), so staged rows are written by a kernel of their own before it (see
+        ``_dispatch``: beside a run write such a scatter makes XLA:CPU copy every sum-tree level). ConfigError if
+        ``name`` is taken."""
         if name in self._steps:
             raise ConfigError(f"add_step(): a step named {name!r} exists already ({sorted(self._steps)} are taken); "
                               f"give this one another name")
         if not isinstance(num_outputs, int) or num_outputs < 0:
             raise ConfigError(f"add_step(): num_outputs must be an int >= 0, got {num_outputs!r}")
         self._steps[name] = (step, num_outputs)
-        self._step_options[name] = (bool(writes), tuple(int(i) for i in donates), bool(keeps_status))
+        self._step_options[name] = (bool(writes), tuple(int(i) for i in donates), bool(keeps_status),
+                                    bool(rows_apart))
 
     def call(self, name: str, *args) -> list:
         """Run the step ``add_step`` gave as ``name`` on the state with ``args``, after the pending updates and the
@@ -764,7 +770,8 @@ class RolloutEngine:
             self._dispatch("flush", version)
 
 
-_BUILT_IN_STEP = (False, (), False)  # (writes, donates, keeps_status) of the engine's own steps ("", sample, version)
+# (writes, donates, keeps_status, rows_apart) of the engine's own steps ("", sample, version)
+_BUILT_IN_STEP = (False, (), False, False)
 
 
 def _joiner(bundle: LeafBundle, shardings):

@@ -273,6 +273,21 @@ def test_a_callers_step_sees_every_staged_row_and_pending_update(mesh):
     np.testing.assert_array_equal(np.asarray(eager.sample().ids), np.asarray(staged.sample().ids))
 
 
+def test_a_step_with_rows_apart_runs_after_a_kernel_that_writes_the_staged_rows(mesh):
+    """``add_step(..., rows_apart=True)`` (a step that scatters into the sum tree): the pending update, then the staged
+    rows, then the step, in three kernels; the step still sees every row."""
+    plane = ExperienceDataPlane(SPEC, 64, samplers.prioritized(8, 0.6, 0.4), mesh=mesh, seed=3)
+    plane.engine.add_step("peek", _peek(plane.config), 2, rows_apart=True)
+    plane.ingest(batch(0, 16))
+    _cycle(plane, 16)
+    before = dict(plane.engine.dispatches)
+    g, _ = plane.engine.call("peek", np.arange(64, dtype=np.int32))
+    new = {k: v - before.get(k, 0) for k, v in plane.engine.dispatches.items() if v != before.get(k, 0)}
+    rows_kernel, = [kernel for kernel in new if kernel.startswith("ingest[")]
+    assert new == {"update[8]": 1, rows_kernel: 1, "peek": 1} and rows_kernel.endswith(",packed]"), new
+    assert set(np.asarray(g).tolist()) == set(range(24))
+
+
 def test_a_callers_step_may_consume_its_arguments_and_write_storage(mesh):
     plane = ExperienceDataPlane(SPEC, 64, samplers.uniform(8), mesh=mesh)
     config = plane.config

@@ -223,11 +223,10 @@ class EpisodeStore:
         name = f"rllib_{kind}{list(static)}{'' if retires else '-kept'}"
         if name not in self._given:
             step = (lambda state, links: (state,)) if kind == "settle" else self._step(kind, static)
+            # a retiring step scatters into the sum tree: the engine writes staged rows in a kernel of their own first
             self._engine.add_step(name, draws.with_adds(self._buffer(self.num_shards), step, retires),
-                                  1 + self._OUTPUTS[kind], donates=(0,))
+                                  1 + self._OUTPUTS[kind], donates=(0,), rows_apart=retires)
             self._given.add(name)
-        if retires and self._engine.staging.count:  # the rows first, in a kernel of their own: the retirement
-            self._engine.flush()  # scatters into the sum tree, and beside a run write XLA:CPU copies every level
         self._links, *outputs = self._engine.call(name, self._links, *self._waiting_adds(), *args)
         return outputs
 
