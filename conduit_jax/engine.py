@@ -190,7 +190,8 @@ class Engine:
     priority updates (``pend``) and then staged ingests (``ingest(..., staged=True)``: packed into a host
     ``StagingArea``, see ``staging.py``). Every kernel the engine dispatches applies the updates, then writes the
     staged rows, then does its own work, all in one dispatch, except that updates and rows to write together take
-    two (the updates' kernel first; see ``_dispatch``); ``flush`` runs a kernel for just those. So whatever
+    two (the updates' kernel first; see ``_dispatch``), and a step given with ``rows_apart`` runs after a kernel
+    that writes the rows; ``flush`` runs a kernel for just those. So whatever
     reads the state (a draw, ``state``, ``status``, ``run``) sees everything given before it. A caller that gives an
     update while rows are staged flushes first (the plane does), which keeps updates before staged rows.
 
