@@ -543,9 +543,8 @@ class Engine:
         config = self.config
         if staged and self._mirror is None and self._mirrors:
             self.known()  # the status before these items, read now: a read later would write them first
-        rows = padded_rows(n, config.num_shards, config.shard_capacity)
-        if n == rows and n <= config.capacity and all(
-                isinstance(leaf, jax.Array) and leaf.sharding.device_set == self._devices for leaf in leaves):
+        on_mesh = all(isinstance(leaf, jax.Array) and leaf.sharding.device_set == self._devices for leaf in leaves)
+        if on_mesh and n == padded_rows(n, config.num_shards, config.shard_capacity) and n <= config.capacity:
             self.flush()
             self._dispatch("", block=(batch, n))
             staged = False

@@ -1,7 +1,7 @@
 """Staged ingest: the host area where ingested items wait for the next kernel that runs anyway.
 
-An ingest from host memory is a copy: ``StagingArea.stage`` packs the batch into packed rows (``RowLayout.pack_host``)
-after the rows already waiting. The engine hands the waiting rows to the next kernel it dispatches (a draw, a priority
+An ingest from host memory is a copy: ``StagingArea.stage`` packs the batch into packed rows after the rows already
+waiting, one strided copy per leaf through views built once per area (``storage.HostRows``). The engine hands the waiting rows to the next kernel it dispatches (a draw, a priority
 update, a flush), which writes them into the rings before its own work, in the same dispatch: the write costs what
 a scatter costs inside a kernel that runs anyway, not a kernel of its own. Until then the items count everywhere the
 host decides (size, rate limiter, queue capacity): the engine keeps its status counters in step at ``stage``.
@@ -21,7 +21,7 @@ from typing import Optional
 import numpy as np
 
 from conduit_jax.errors import ConfigError
-from conduit_jax.storage import RowLayout, aligned_empty
+from conduit_jax.storage import HostRows, RowLayout
 
 STAGING_BYTES = 8 << 20  # a staging area holds at most this many bytes of packed rows (at least one item per shard)
 SPARE_AREAS = 2  # finished areas kept for reuse; fresh pages fault on their first write
@@ -36,8 +36,8 @@ class StagingArea:
     def __init__(self, layout: RowLayout, rows: int, area_rows: int):
         self.layout, self.rows, self.area_rows = layout, int(rows), int(area_rows)
         self.count = 0
-        self._area: Optional[np.ndarray] = None  # being filled
-        self._given: list[tuple[np.ndarray, object]] = []  # (area, finished) handed to kernels, oldest first
+        self._area: Optional[HostRows] = None  # being filled
+        self._given: list[tuple[HostRows, object]] = []  # (area, finished) handed to kernels, oldest first
         self.last: Optional[np.ndarray] = None  # the area most recently handed to a kernel
 
     @property
@@ -51,22 +51,22 @@ class StagingArea:
         assert 0 < count <= self.room, (count, self.room)
         if self._area is None:
             self._area = self._free_area()
-        self.layout.pack_host(leaves, start, count, count, self._area[self.count:self.count + count])
+        self._area.write(leaves, start, count, self.count)
         self.count += count
 
     def block(self, rows: int) -> tuple[np.ndarray, int]:
         """The waiting rows as a kernel's argument: the area's first ``rows`` rows (padding included) in the ring's
         element type, and the item count. They stay staged until ``given`` (a kernel that raised took nothing)."""
-        return self.layout.to_ring(self._area[:rows]), self.count
+        return self.layout.to_ring(self._area.array[:rows]), self.count
 
     def given(self, finished) -> None:
         """A kernel that writes the waiting rows has been dispatched: the area is empty again, and the host array
         it read is reused once ``finished`` (an output of that kernel) is ready."""
         self._given.append((self._area, finished))
         del self._given[:-(SPARE_AREAS + 1)]  # older ones are left to the garbage collector
-        self.last, self._area, self.count = self._area, None, 0
+        self.last, self._area, self.count = self._area.array, None, 0
 
-    def _free_area(self) -> np.ndarray:
+    def _free_area(self) -> HostRows:
         """A host array no kernel is reading: the newest handed-over one whose kernel finished (the likeliest to be in
         cache), else a fresh one."""
         for index in range(len(self._given) - 1, -1, -1):
@@ -74,7 +74,7 @@ class StagingArea:
             if finished.is_ready():
                 del self._given[index]
                 return area
-        return aligned_empty((self.area_rows, self.layout.row_words))
+        return HostRows.zeroed(self.layout, self.area_rows)
 
 
 def staging_rows(layout: RowLayout, capacity: int, num_shards: int, limit_bytes: int = STAGING_BYTES) -> int:

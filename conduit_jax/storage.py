@@ -150,64 +150,12 @@ class RowLayout(NamedTuple):
         """NumPy twin of ``pack`` for host batches: items [start, start+count) of each leaf into uint32[rows,
         row_words] (rows past ``count`` are padding the kernel masks), ``out`` when given (64-byte aligned, see
         ``aligned_empty``), else a fresh array. One array crosses to the device instead of one per leaf, and the
-        caller's buffers are never aliased.
-
-        Each item's bytes of a leaf move as one element (``_item_view``): NumPy's strided copy moves one wide
-        element per item faster than the same bytes as several words per row. A leaf of one or two bytes per item is
-        zero-extended into its word in the same pass (pack pads with zeros); other leaves whose bytes end inside a
-        word get those bytes zeroed.
-
-        The rows are written in blocks of ``PACK_BLOCK_BYTES``, every leaf of a block before the next: written leaf by
-        leaf over the whole batch, each leaf's strided writes fetched every row again from L3 or DRAM. Blocks keep the
-        rows of a block in cache while every leaf is written; a batch of one block is packed as before."""
+        caller's buffers are never aliased. A caller that packs into the same array again and again (the staging
+        area) builds its ``HostRows`` once instead."""
         out = aligned_empty((rows, self.row_words)) if out is None else out
-        if count * self.row_bytes <= SMALL_PACK_BYTES:
-            return self._pack_small(leaves, start, count, out)
-        out_bytes = out.view(np.uint8)
-        copies = []  # (destination, source) of each leaf's items; (destination, None): bytes to zero
-        for slot, raw in self._leaf_bytes(leaves, start, count):
-            width = raw.shape[1]
-            items = _item_view(raw, width)
-            if width < 4 and width in _UNSIGNED:  # one sub-word element: its word, zero-extended
-                copies.append((out[:count, slot.offset], items))
-                continue
-            first = 4 * slot.offset
-            copies.append((_item_view(out_bytes[:count, first:first + width], width), items))
-            if width < 4 * slot.words:  # the last word's unused bytes: zero, as pack pads
-                copies.append((out_bytes[:count, first + width:4 * (slot.offset + slot.words)], None))
-        # every leaf of a block of rows before the next block: the block stays in cache between the leaves' strided
-        # writes instead of being fetched again once per leaf
-        step = max(1, PACK_BLOCK_BYTES // self.row_bytes)
-        for low in range(0, count, step):
-            for destination, source in copies:
-                destination[low:low + step] = 0 if source is None else source[low:low + step]
-        return out
-
-    def _leaf_bytes(self, leaves, start: int, count: int):
-        """(slot, the bytes of items [start, start + count) as uint8[count, elems * itemsize]) of each leaf that has
-        elements, in the spec's dtype."""
-        for leaf, slot, dtype in zip(leaves, self.slots, self.spec.dtypes):
-            if slot.elems == 0:
-                continue
-            x = np.asarray(leaf)[start:start + count]
-            if x.dtype != dtype:
-                x = x.astype(dtype)  # 64-bit input admitted by cast=True
-            yield slot, np.ascontiguousarray(x).reshape(count, -1).view(np.uint8)
-
-    def _pack_small(self, leaves, start: int, count: int, out: np.ndarray) -> np.ndarray:
-        """``pack_host`` for a batch of a few KiB: every leaf's bytes (and zero bytes after a leaf that ends inside a
-        word) side by side in one ``np.concatenate`` into ``out``. For a few rows the per-leaf copies' call overhead
-        is the cost, and one call halves it; for large batches the blocked copies above are faster."""
-        parts = []
-        for slot, raw in self._leaf_bytes(leaves, start, count):
-            parts.append(raw)
-            pad = 4 * slot.words - raw.shape[1]
-            if pad:  # pack pads with zeros (a 1- or 2-byte leaf: its word zero-extended, little-endian)
-                parts.append(np.zeros((count, pad), np.uint8))
-        if parts:
-            np.concatenate(parts, axis=1, out=out.view(np.uint8)[:count])
-        else:
-            out[:count] = 0
+        target = HostRows(self, out)
+        target.zero_padding(0, count)
+        target.write(leaves, start, count, 0)
         return out
 
     def unpack(self, rows: jax.Array):
@@ -265,23 +213,62 @@ class RowLayout(NamedTuple):
         return x.astype(jnp.bool_) if dtype == np.bool_ else x
 
 
-_UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+PACK_BLOCK_BYTES = 512 << 10  # HostRows.write copies rows in blocks of this size (half a core's 1 MiB L2 here; see there)
 
 
-PACK_BLOCK_BYTES = 512 << 10  # pack_host writes rows in blocks of this size (half a core's 1 MiB L2 here; see there)
-SMALL_PACK_BYTES = 32 << 10  # pack_host packs a batch of at most this many bytes with one concatenate (_pack_small)
+class HostRows:
+    """Packed rows in host memory (``array``: uint32[rows, row_words], NumPy) with a writable NumPy view of each
+    leaf's elements in them, built once: packing a host batch is then one strided copy per leaf, ``write``, with no
+    per-call conversions (a view per call cost more than the copy for a batch of a few dozen items).
 
+    ``write`` copies only the leaves' bytes; the bytes ``pack`` pads with zeros (after a leaf that ends inside a
+    word) are left as they are, so they must be zero already: ``zeroed`` arrays keep them so for good, and
+    ``zero_padding`` clears them in an array that held something else."""
 
-@functools.cache
-def _item_dtype(width: int) -> np.dtype:
-    return np.dtype(_UNSIGNED.get(width, f"V{width}"))
+    def __init__(self, layout: RowLayout, array: np.ndarray):
+        self.layout, self.array = layout, array
+        rows, raw = array.shape[0], array.view(np.uint8)
+        self.leaves, self.padding = [], []
+        for slot, shape, dtype in zip(layout.slots, layout.spec.shapes, layout.spec.dtypes):
+            first = 4 * slot.offset
+            if slot.elems == 0:
+                self.leaves.append(None)
+                continue
+            strides = [dtype.itemsize]
+            for size in reversed(shape[1:]):
+                strides.insert(0, strides[0] * size)
+            self.leaves.append(np.ndarray((rows, *shape), dtype, buffer=raw, offset=first,
+                                          strides=(layout.row_bytes, *strides[:len(shape)])))
+            used = first + slot.elems * dtype.itemsize
+            if used < 4 * (slot.offset + slot.words):
+                self.padding.append(raw[:, used:4 * (slot.offset + slot.words)])
 
+    @classmethod
+    def zeroed(cls, layout: RowLayout, rows: int) -> "HostRows":
+        """Fresh, 64-byte-aligned rows (``aligned_empty``), all bytes zero."""
+        array = aligned_empty((rows, layout.row_words))
+        array.fill(0)
+        return cls(layout, array)
 
-def _item_view(item_bytes: np.ndarray, width: int) -> np.ndarray:
-    """uint8[n, width] (contiguous rows) as n elements of ``width`` bytes: an unsigned integer where one exists,
-    else a raw ``V<width>`` element. NumPy copies either kind byte for byte (NaN payloads included), one element
-    per item, which is what makes ``pack_host``'s strided copies fast."""
-    return item_bytes.view(_item_dtype(width))[:, 0]
+    def zero_padding(self, at: int, count: int) -> None:
+        """Zero the padding bytes of rows [at, at + count)."""
+        for padding in self.padding:
+            padding[at:at + count] = 0
+
+    def write(self, leaves, start: int, count: int, at: int) -> None:
+        """Items [start, start + count) of ``leaves`` (a checked batch's leaves, in the spec's dtypes or 64-bit
+        ones that ``cast=True`` admitted, which the copy narrows) into rows [at, at + count), bytes as ``pack``
+        lays them out (NaN payloads included).
+
+        Rows are written in blocks of ``PACK_BLOCK_BYTES``, every leaf of a block before the next: leaf by leaf
+        over a large batch, each leaf's strided writes fetched every row again from L3 or DRAM."""
+        sources = [leaf if isinstance(leaf, np.ndarray) else np.asarray(leaf) for leaf in leaves]
+        step = max(1, PACK_BLOCK_BYTES // self.layout.row_bytes)
+        for low in range(0, count, step):
+            high = min(count, low + step)
+            for view, source in zip(self.leaves, sources):
+                if view is not None:
+                    view[at + low:at + high] = source[start + low:start + high]
 
 
 def aligned_empty(shape) -> np.ndarray:

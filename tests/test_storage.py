@@ -133,21 +133,18 @@ def test_gathering_leaves_equals_gathering_rows_then_unpacking(ring):
         assert_bits_equal(jax.jit(functools.partial(layout.read_leaf, name=k))(rows, at=at), whole[k])
 
 
-@pytest.mark.parametrize("block_rows", ["small", None, 1, 2, 4],
-                         ids=["one-concatenate", "one-block", "blocks-of-1", "blocks-of-2", "blocks-of-4"])
+@pytest.mark.parametrize("block_rows", [None, 1, 2, 4], ids=["one-block", "blocks-of-1", "blocks-of-2", "blocks-of-4"])
 def test_host_packing_matches_device_packing_bit_for_bit(block_rows, monkeypatch):
-    """The shell packs NumPy batches on the host (pack_host) and device arrays in the kernel (pack): the same rows,
-    padding and NaN payloads included, for every dtype and word alignment, narrow and wide (image-like) leaves, also
-    into a reused, dirty output array, for a slice of the batch with padding rows past it, and for leaves that are
-    strided views of larger arrays; as a small batch in one concatenate, in one block of rows or in several (the last
-    one short)."""
+    """The shell packs NumPy batches on the host (pack_host, HostRows) and device arrays in the kernel (pack): the
+    same rows, padding and NaN payloads included, for every dtype and word alignment, narrow and wide (image-like)
+    leaves, also into a reused, dirty output array, for a slice of the batch with padding rows past it, for leaves
+    that are strided views of larger arrays, and through the views of rows packed again and again (the staging
+    area's); in one block of rows or in several (the last one short)."""
     shapes = {k: (s, d) for k, (s, d, _) in MIXED.items()} | {"wide_u8": ((67,), np.uint8),
                                                                  "wide_bf16": ((33,), jnp.bfloat16)}
     spec = ExperienceSpec.from_structs({k: jax.ShapeDtypeStruct(s, d) for k, (s, d) in shapes.items()})
     layout = storage.RowLayout.of(spec)
-    if block_rows != "small":
-        monkeypatch.setattr(storage, "SMALL_PACK_BYTES", 0)
-    if block_rows not in (None, "small"):
+    if block_rows is not None:
         monkeypatch.setattr(storage, "PACK_BLOCK_BYTES", block_rows * layout.row_bytes)
     rng = np.random.default_rng(1)
     batch = {k: random_leaf(rng, 9, s, d, nan_payloads=True) for k, (s, d) in shapes.items()}
@@ -163,6 +160,13 @@ def test_host_packing_matches_device_packing_bit_for_bit(block_rows, monkeypatch
     doubled = [np.repeat(leaf, 2, axis=0)[::2] for leaf in leaves]
     assert not any(leaf.flags.c_contiguous for leaf in doubled)
     np.testing.assert_array_equal(layout.pack_host(doubled, 0, 9, 9), device)
+    # rows written through their views at an offset, then over with other items: padding bytes stay zero
+    rows = storage.HostRows.zeroed(layout, 16)
+    rows.write(leaves, 0, 9, 3)
+    rows.write(doubled, 4, 5, 3)
+    np.testing.assert_array_equal(rows.array[3:8], device[4:9])
+    np.testing.assert_array_equal(rows.array[8:12], device[5:9])
+    assert not rows.array[:3].any() and not rows.array[12:].any()
 
 
 def test_packing_into_a_byte_ring_gives_the_bytes_of_the_word_rows():
