@@ -227,6 +227,7 @@ class HostRows:
 
     def __init__(self, layout: RowLayout, array: np.ndarray):
         self.layout, self.array = layout, array
+        self.block_rows = max(1, PACK_BLOCK_BYTES // layout.row_bytes)
         rows, raw = array.shape[0], array.view(np.uint8)
         self.leaves, self.padding = [], []
         for slot, shape, dtype in zip(layout.slots, layout.spec.shapes, layout.spec.dtypes):
@@ -262,13 +263,13 @@ class HostRows:
 
         Rows are written in blocks of ``PACK_BLOCK_BYTES``, every leaf of a block before the next: leaf by leaf
         over a large batch, each leaf's strided writes fetched every row again from L3 or DRAM."""
-        sources = [leaf if isinstance(leaf, np.ndarray) else np.asarray(leaf) for leaf in leaves]
-        step = max(1, PACK_BLOCK_BYTES // self.layout.row_bytes)
+        step = self.block_rows
         for low in range(0, count, step):
             high = min(count, low + step)
-            for view, source in zip(self.leaves, sources):
+            for view, leaf in zip(self.leaves, leaves):
                 if view is not None:
-                    view[at + low:at + high] = source[start + low:start + high]
+                    items = leaf[start + low:start + high]
+                    view[at + low:at + high] = items if type(items) is np.ndarray else np.asarray(items)
 
 
 def aligned_empty(shape) -> np.ndarray:
