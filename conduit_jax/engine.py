@@ -702,6 +702,7 @@ class RolloutEngine:
 
     def __init__(self, buffer: "rollouts.RolloutBuffer", state=None):
         self.buffer = buffer
+        self.state_types = StateTypes.of_init(buffer.init)  # what a state of this buffer looks like
         self.state = buffer.init() if state is None else state
         self.staged: list = []  # rollouts.Groups of host arrays, in call order
         self.compiles: collections.Counter = collections.Counter()  # kernel name -> XLA compilations

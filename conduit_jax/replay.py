@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -495,26 +495,33 @@ def _except_rows(fn, state, shardings):
 
 
 class StateTypes(NamedTuple):
-    """What a state of one configuration looks like: its structure and each leaf's (shape, dtype)."""
+    """What a state of one configuration looks like: its type, its structure and each leaf's (shape, dtype)."""
 
     leaves: list
     treedef: Any
+    kind: type = ReplayState
 
     @classmethod
     def of(cls, config: ReplayConfig) -> "StateTypes":
-        abstract_leaves, treedef = jax.tree_util.tree_flatten(jax.eval_shape(functools.partial(init, config, 0)))
-        return cls([(leaf.shape, leaf.dtype) for leaf in abstract_leaves], treedef)
+        return cls.of_init(functools.partial(init, config, 0))
+
+    @classmethod
+    def of_init(cls, make: Callable[[], Any]) -> "StateTypes":
+        """From a function that builds a fresh state (traced, not run): e.g. a rollout buffer's ``init``."""
+        abstract = jax.eval_shape(make)
+        abstract_leaves, treedef = jax.tree_util.tree_flatten(abstract)
+        return cls([(leaf.shape, leaf.dtype) for leaf in abstract_leaves], treedef, type(abstract))
 
     def check(self, tree, where: str = "state") -> list:
         """The leaves of ``tree``; ConfigError unless it is a state of this configuration (structure, shapes and
         dtypes; works on tracers too). Cheap when it is (a fused loop passes the state on every step)."""
-        if not isinstance(tree, ReplayState):
-            raise ConfigError(f"{where}: state must be a ReplayState (from buffer.init() or plane.state), got "
-                              f"{type(tree).__name__}")
+        if not isinstance(tree, self.kind):
+            raise ConfigError(f"{where}: state must be a {self.kind.__name__} (from buffer.init() or plane.state), "
+                              f"got {type(tree).__name__}")
         leaves, treedef = jax.tree_util.tree_flatten(tree)
         if treedef != self.treedef:
-            raise ConfigError(f"{where}: expected a ReplayState of this buffer's configuration, {self.treedef}; got "
-                              f"{treedef} (a state of another sampler or spec?)")
+            raise ConfigError(f"{where}: expected a {self.kind.__name__} of this buffer's configuration, "
+                              f"{self.treedef}; got {treedef} (a state of another sampler or spec?)")
         for index, (leaf, (shape, dtype)) in enumerate(zip(leaves, self.leaves)):
             if getattr(leaf, "shape", None) != shape or getattr(leaf, "dtype", None) != dtype:
                 path = jax.tree_util.keystr(jax.tree_util.tree_flatten_with_path(tree)[0][index][0])

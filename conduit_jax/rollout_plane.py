@@ -266,6 +266,22 @@ class RolloutPlane:
         with self._written():
             return self.engine.state
 
+    @state.setter
+    def state(self, value: rollouts.RolloutState) -> None:
+        """Replace the buffer's state with ``value`` (a ``RolloutState`` of this plane's buffer: ``plane.state``
+        earlier, what the functional steps returned, a checkpoint's) and rebuild the host's bookkeeping from it:
+        the plane then delivers what a plane that made that state would. Groups staged before are written into the
+        state being replaced first; batches a prefetching schedule drew before stay deliverable (``in_flight()``)
+        and are re-checked for staleness when delivered. ``ConfigError`` naming the leaf for a state of another
+        spec or size; the plane is then as it was."""
+        runtime.refuse_under_trace("plane.state = ...", "assign the state your jitted function returns")
+        self.engine.state_types.check(value, "RolloutPlane.state")
+        with self._written():
+            queue = rollouts.HostQueue.from_state(self.config, value)
+            self.engine.state, self.queue = value, queue
+            self._schedule.switched()  # its policy version may differ
+            self._changed.notify_all()  # a delivery worker may draw now
+
     @contextlib.contextmanager
     def _written(self):
         """The plane held still (its lock), the worker settled, every staged group and the learner's policy version
@@ -318,11 +334,8 @@ class RolloutPlane:
 
         restored = rollout_checkpoint.read(directory, step=step, schedule=schedule, mesh=mesh, **expected)
         plane = cls(**restored.settings, mesh=mesh, learner_mesh=learner_mesh)
-        with plane._changed:
-            plane.engine.state = restored.state
-            plane.queue = rollouts.HostQueue.from_state(plane.config, restored.state)
-            plane.masked_stale = restored.masked_stale
-            plane._changed.notify_all()  # a delivery worker may draw now
+        plane.masked_stale = restored.masked_stale
+        plane.state = restored.state
         return plane
 
     def close(self) -> None:

@@ -131,6 +131,27 @@ def test_staged_ingest_dispatches_nothing_and_one_kernel_delivers():
     assert int(state.delivered) == 3 and int(state.written) == 3
 
 
+def test_a_state_assigned_back_delivers_again_what_it_held_and_a_foreign_one_is_refused():
+    """plane.state = an earlier state: the host's bookkeeping is rebuilt from it (groups staged meanwhile go into the
+    state replaced), so the same batches come again; a state of another size is refused, naming the leaf."""
+    spec = rollouts.RolloutSpec(GROUP, 12, {"tokens": np.int32})
+    plane = RolloutPlane(spec, 512, 16, 2, rollouts.packed(4, 24), min_fill=0.0)
+    rng = np.random.default_rng(3)
+    plane.ingest(make_groups(rng, 3, 0, 0)[0])
+    snapshot = jax.tree.map(jax.numpy.copy, plane.state)  # a kernel donates the plane's own state
+    first = plane.deliver()
+    plane.ingest(make_groups(rng, 1, 0, 100)[0])
+    plane.state = snapshot
+    assert len(plane) == 3 and plane.stats()["groups_ingested"] == 3
+    again = plane.deliver()
+    for got, want in zip(jax.tree.leaves(again), jax.tree.leaves(first)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    smaller = RolloutPlane(spec, 256, 16, 2, rollouts.packed(4, 24))
+    with pytest.raises(ConfigError, match=r"RolloutPlane.state: leaf .*tokens.* must be int32\[512\], got int32\[256\]"):
+        plane.state = smaller.state
+    assert len(plane) == 1 and int(plane.deliver().groups) == 1
+
+
 def test_an_ingest_that_would_overwrite_undelivered_groups_waits_or_is_refused():
     spec = rollouts.RolloutSpec(GROUP, 12, {"tokens": np.int32})
     plane = RolloutPlane(spec, 512, 4, 2, rollouts.padded())
