@@ -298,8 +298,8 @@ class EpisodeIndex:
             previous = before[-1][0] + before[-1][1] - 1 if before else -1
             if before:  # the episode's last stored step now continues into this chunk
                 patches.append((previous, item))
-            following = np.append(steps[1:], -1)
-            preceding = np.insert(steps[:-1], 0, previous)
+            following, preceding = steps + 1, steps - 1
+            following[-1], preceding[0] = -1, previous
             rows.append(np.stack([steps, following, preceding, np.full_like(steps, before[0][0] if before else item)]))
             segments[id(record)].append((item, chunk.length))
             item += chunk.length

@@ -167,6 +167,7 @@ class EpisodeStore:
         self._given: set = set()  # steps given to this engine (add_step)
         self._links = None  # int32[3, ring]: see draws.py
         self._adds: list = []  # (full, patch) of draws.link for each add whose links no kernel has written yet
+        self._adds_steps = 0  # the steps those adds wrote
         self._retiring: list = []  # int32[k, 2]: ids of evicted steps no kernel has retired yet
         self._last_ids = None
         self._last_request: Optional[Request] = None
@@ -244,7 +245,7 @@ class EpisodeStore:
         ``compile_size``), with rows past the ring (links, dropped) and -1 ids (retire, ignored). The written steps'
         links are as many as the staged rows, patches and retirements mostly fewer: one variant per staged bucket."""
         ring, adds, gone = self.storage_capacity, self._adds, self._retiring
-        self._adds, self._retiring = [], []
+        self._adds, self._adds_steps, self._retiring = [], 0, []
         blocks = (([f for f, _ in adds], (ring, -1, -1, -1)), ([p for _, p in adds], (ring, -1)),
                   ([ids.T for ids in gone], (-1, -1)))
         widths = [sum(block.shape[1] for block in parts) for parts, _ in blocks]
@@ -307,11 +308,12 @@ class EpisodeStore:
         if written:
             batch = {key: np.concatenate([chunk.columns[key] for chunk in written]) for key in self._spec.names}
             count = plan.item - self._index.items
-            if sum(f.shape[1] for f, _ in self._adds) + count > self.storage_capacity:
+            if self._adds_steps + count > self.storage_capacity:
                 self._settle()  # the waiting links would name a ring row twice (one scatter): written first
             self._engine.ingest(batch, count, staged=True)
             full, patch = self._link_rows(np.concatenate(plan.rows, axis=1), plan.patches)
             self._adds.append((full, patch))
+            self._adds_steps += full.shape[1]
             rows = full[0][full[0] < self.storage_capacity]
         gone = [record.items() for record in plan.evicted if record.segments]
         if gone:
