@@ -32,6 +32,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from conduit_jax import limits, replay, rollouts, runtime, staging
 from conduit_jax._pytree import LeafBundle
@@ -244,6 +246,10 @@ class Engine:
             else staging_rows
         self.staging = staging.StagingArea(config.layout, rows,
                                            staged_rows(rows, config.num_shards, config.shard_capacity))
+        # a device batch ingested under a staging schedule: its rows packed on the device by a small kernel of their
+        # own (the copy is the plane's, so the caller may donate its arrays), and its item count; written by the next
+        # kernel like the staging area's rows. At most one of the two waits at a time (``ingest`` keeps them in order)
+        self._device_rows: Optional[tuple[jax.Array, int]] = None
         # checked priority updates not yet in the state, oldest first: the next kernel applies them
         self.pending: collections.deque[tuple[np.ndarray, np.ndarray]] = collections.deque() if pending is None \
             else pending
@@ -350,9 +356,10 @@ class Engine:
         first: in one kernel that scatters new priorities into the sum tree and writes a run of new items' leaves,
         XLA:CPU copies every level of the tree twice (4 MB for the leaves of a 100,000-slot tree), which a kernel
         doing either alone does not."""
-        if write and self.pending and (block is not None or self.staging.count):
+        waiting = self.staged_items
+        if write and self.pending and (block is not None or waiting):
             self._dispatch("", write=False)
-        if write and self.staging.count and self._step_options.get(step_name, _BUILT_IN_STEP)[3]:
+        if write and waiting and self._step_options.get(step_name, _BUILT_IN_STEP)[3]:
             self._dispatch("")  # a step that scatters into the index: the rows in a kernel of their own first
         storage_large, rest_large, small = self._live_form
         updates = self._take_updates()
@@ -360,10 +367,15 @@ class Engine:
         if updates is not None:
             args.append(updates)
         staged = None
+        device_rows = self._device_rows if write and block is None else None
         if write and block is not None:
             batch, n = block
             staged = (jax.tree_util.tree_leaves(batch)[0].shape[0], False)
             args += [batch, np.int32(n)]
+        elif device_rows is not None:
+            packed_rows, n = device_rows
+            staged = (packed_rows.shape[0], True)
+            args += [packed_rows, np.int32(n)]
         elif write and self.staging.count:
             rows = staged_rows(self.staging.count, self.config.num_shards, self.config.shard_capacity)
             packed_rows, n = self.staging.block(rows)
@@ -383,7 +395,9 @@ class Engine:
             self._keep(large, small)
             if staged is not None:
                 finished = outputs.pop(0)
-                if block is None:
+                if device_rows is not None:
+                    self._device_rows = None
+                elif block is None:
                     self.staging.given(finished)
         mirror = self._mirror
         if len(outputs) > self._steps[step_name][1]:  # the deliverable count after this kernel, a device scalar
@@ -394,8 +408,14 @@ class Engine:
 
     def flush(self) -> None:
         """Apply the pending updates and write the staged rows (nothing when there are none; see ``_dispatch``)."""
-        if self.pending or self.staging.count:
+        if self.pending or self.staged_items:
             self._dispatch("")
+
+    @property
+    def staged_items(self) -> int:
+        """Items ingested and not written yet: the staging area's rows, or a device batch's rows packed on the
+        device."""
+        return self.staging.count + (0 if self._device_rows is None else self._device_rows[1])
 
     # -- the state --------------------------------------------------------------------------------------------------
     @property
@@ -537,18 +557,23 @@ class Engine:
         Host batches (and device arrays elsewhere than this mesh) are packed into the staging area (one copy; the
         caller's buffers are never aliased): with ``staged`` they wait there for the next kernel, else a kernel
         writes them now. Either way a batch that does not fit the area's room fills it and is written one full area
-        per kernel. Device arrays on this mesh of exactly a write bucket's size go in as they are, by a kernel now,
-        after the staged rows."""
+        per kernel. Device arrays on this mesh of exactly a write bucket's size are written as they are by a kernel
+        now, after the staged rows; with ``staged`` their rows are packed on the device instead, by a small kernel
+        that does not take the state (no wait for the kernels that hold it), and wait for the next kernel."""
         leaves = jax.tree_util.tree_leaves(batch)
         config = self.config
         if staged and self._mirror is None and self._mirrors:
             self.known()  # the status before these items, read now: a read later would write them first
         on_mesh = all(isinstance(leaf, jax.Array) and leaf.sharding.device_set == self._devices for leaf in leaves)
         if on_mesh and n == padded_rows(n, config.num_shards, config.shard_capacity) and n <= config.capacity:
-            self.flush()
-            self._dispatch("", block=(batch, n))
-            staged = False
+            self.flush()  # what waits is written first: one block waits at a time, in ingest order
+            if staged:
+                self._device_rows = (self._packed_on_device(batch, n), n)
+            else:
+                self._dispatch("", block=(batch, n))
         else:
+            if self._device_rows is not None:
+                self.flush()  # the device batch before these rows
             start = 0
             while start < n:
                 if not self.staging.room:
@@ -559,6 +584,24 @@ class Engine:
             if not staged:
                 self.flush()
         self._count_inserted(n, written=not staged)
+
+    def _packed_on_device(self, batch, n: int) -> jax.Array:
+        """A device batch's rows in the ring's element type, padded to the staged block's rows for ``n`` items
+        (``staged_rows``: the host staging path's kernel variants), replicated over the mesh as ``replay.ingest``
+        takes a block."""
+        config = self.config
+        rows = staged_rows(n, config.num_shards, config.shard_capacity)
+        key = ("pack", n, rows)
+        built = self._kernels.get(key)
+        if built is None:
+            layout = config.layout
+            pack = jax.jit(lambda batch: jnp.pad(layout.pack_ring(batch), ((0, rows - n), (0, 0))),
+                           out_shardings=NamedSharding(config.mesh, P()))
+            built = self._kernels[key] = (pack, f"pack[{n}]")
+        pack, name = built
+        self.dispatches[name] += 1
+        with self.counting(name):
+            return self._settled(pack(batch))
 
     def _count_inserted(self, n: int, written: bool) -> None:
         """Keep the host's status copy in step with an ingest of ``n`` items."""

@@ -169,7 +169,8 @@ class ExperienceDataPlane:
         written into the rings by the next kernel that runs anyway (a draw, the delivery worker's refill, a read of
         the state), in that kernel's dispatch; ``sync`` writes it with a kernel of its own now. Either way the items
         count from the moment ``ingest`` returns: ``len()``, the rate limiter, a queue's capacity and every later
-        draw see them. Device arrays already on the plane's mesh are written now.
+        draw see them. Device arrays already on the plane's mesh are packed into rows on the device, by a small
+        kernel that does not take the plane's state, and wait for the next kernel likewise (``sync``: written now).
 
         Raises ``SpecError`` for a malformed batch. When the rate limiter or a queue's capacity refuses the batch,
         waits up to ``timeout`` seconds (None: forever; 0: not at all) for a sample to make room, then raises
@@ -388,7 +389,7 @@ class ExperienceDataPlane:
             priorities.block_until_ready()
             waited = time.perf_counter() - begin
         checked = checked_priority_update(ids, priorities, self.capacity)
-        if self.engine.staging.count:  # rows ingested before it: in the state first (the engine's kernels apply
+        if self.engine.staged_items:  # rows ingested before it: in the state first (the engine's kernels apply
             with self._changed:  # pending updates before staged rows)
                 self.engine.flush()
         self.engine.pend(checked)

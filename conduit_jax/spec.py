@@ -184,12 +184,16 @@ class ExperienceSpec:
         return int(counts[0])
 
     def _plain_count(self, leaves) -> int:
-        """The item count of ``leaves`` when every leaf is a NumPy array of the spec's dtype and trailing shape and
-        all agree on a count of at least one, else 0 (``validate``'s full checks then name what is wrong). The
-        common case, checked with the least Python: it runs on every ingest."""
+        """The item count of ``leaves`` when every leaf is a NumPy array or a live (not donated) concrete
+        ``jax.Array`` of the spec's dtype and trailing shape and all agree on a count of at least one, else 0
+        (``validate``'s full checks then name what is wrong). The common case, checked with the least Python: it
+        runs on every ingest."""
         n = None
         for leaf, shape, dtype in zip(leaves, self.shapes, self.dtypes):
-            if type(leaf) is not np.ndarray or leaf.dtype != dtype:
+            if type(leaf) is not np.ndarray and not (isinstance(leaf, jax.Array) and not isinstance(
+                    leaf, jax.core.Tracer) and not leaf.is_deleted()):
+                return 0
+            if leaf.dtype != dtype:
                 return 0
             got = leaf.shape
             if len(got) != len(shape) + 1 or got[1:] != shape or got[0] != (got[0] if n is None else n):

@@ -402,8 +402,8 @@ def test_wide_rows_are_delivered_bit_exactly(sampler, to_device):
         data = jax.device_get(plane.sample().data)
         t, env = np.asarray(data["t"]), np.asarray(data["env"])
         np.testing.assert_array_equal(np.asarray(data["frame"]), frames[t, env])
-    # device steps are written as they are, host steps packed on the host (staged: the first draw writes all ten)
-    assert "ingest[4]" in plane.compile_counts() if to_device else "ingest[64,packed]+sample" in plane.compile_counts()
+    # device steps are packed on the device, host steps on the host (staged: the first draw writes all ten)
+    assert "pack[4]" in plane.compile_counts() if to_device else "ingest[64,packed]+sample" in plane.compile_counts()
 
 
 # -- recycled batches --------------------------------------------------------------------------------------------------

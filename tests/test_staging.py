@@ -138,6 +138,28 @@ def test_an_ingest_is_a_copy_and_the_next_draw_writes_it(mesh):
     assert sorted(np.asarray(delivery.data["g"]).tolist()) == list(range(32))
 
 
+def test_a_device_batch_is_packed_by_a_kernel_of_its_own_and_written_by_the_next_draw(mesh):
+    """A device batch on the plane's mesh, staged: one small kernel packs its rows (without the state) and the next
+    draw writes them, in ingest order between host batches; the plane's copy is its own, so the caller may donate
+    its arrays at once. Under sync it is written at its call."""
+    plane = ExperienceDataPlane(SPEC, 64, samplers.fifo(24), mesh=mesh, schedule=schedule.staged())
+    plane.ingest(batch(0, 8))
+    device = on_mesh(batch(8, 8), mesh)
+    plane.ingest(device)  # the host rows are written first (one block waits at a time)
+    jax.jit(lambda tree: jax.tree.map(lambda x: x + 1, tree), donate_argnums=0)(device)  # the caller donates it
+    plane.ingest(batch(16, 8))  # the device rows first
+    dispatched = dict(plane.engine.dispatches)
+    assert dispatched.pop("pack[8]") == 1 and sum(dispatched.values()) == 2, plane.engine.dispatches
+    assert len(plane) == 24
+    delivery = plane.sample()
+    g = np.asarray(delivery.data["g"])
+    assert sorted(g.tolist()) == list(range(24))
+    np.testing.assert_array_equal(np.asarray(delivery.data["obs"]), batch(0, 24)["obs"][g])
+    eager = ExperienceDataPlane(SPEC, 64, samplers.fifo(8), mesh=mesh, schedule=schedule.sync())
+    eager.ingest(on_mesh(batch(0, 8), mesh))
+    assert "pack[8]" not in eager.engine.dispatches and sum(eager.engine.dispatches.values()) == 1
+
+
 def test_staged_items_count_for_a_queue_and_the_rate_limiter(mesh):
     queue = ExperienceDataPlane(SPEC, 16, samplers.fifo(8), mesh=mesh)
     queue.ingest(batch(0, 16))

@@ -571,7 +571,7 @@ class EpisodeStore:
         # RLlib's order: an add made before this update is in the buffer first (its new steps take the largest
         # priority seen before the update), while the engine applies pending updates before staged rows; so after
         # an add the update rides the next draw as its step's argument, or the add is written first
-        added = bool(self._adds or self._retiring or self._engine.staging.count)
+        added = bool(self._adds or self._retiring or self._engine.staged_items)
         overlap = self._ahead == "overlap" and self._last_request is not None
         if added and overlap:
             update = (self._last_ids, values)
