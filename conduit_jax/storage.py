@@ -257,9 +257,9 @@ class HostRows:
             padding[at:at + count] = 0
 
     def write(self, leaves, start: int, count: int, at: int) -> None:
-        """Items [start, start + count) of ``leaves`` (a checked batch's leaves, in the spec's dtypes or 64-bit
-        ones that ``cast=True`` admitted, which the copy narrows) into rows [at, at + count), bytes as ``pack``
-        lays them out (NaN payloads included).
+        """Items [start, start + count) of ``leaves`` (a checked batch's leaves: NumPy or device arrays, in the
+        spec's dtypes or 64-bit ones that ``cast=True`` admitted, which the copy narrows) into rows [at, at + count),
+        bytes as ``pack`` lays them out (NaN payloads included).
 
         Rows are written in blocks of ``PACK_BLOCK_BYTES``, every leaf of a block before the next: leaf by leaf
         over a large batch, each leaf's strided writes fetched every row again from L3 or DRAM."""
@@ -268,8 +268,10 @@ class HostRows:
             high = min(count, low + step)
             for view, leaf in zip(self.leaves, leaves):
                 if view is not None:
-                    items = leaf[start + low:start + high]
-                    view[at + low:at + high] = items if type(items) is np.ndarray else np.asarray(items)
+                    # a device array is read to the host whole (JAX keeps that copy): slicing it first would be a
+                    # device computation per leaf and block
+                    view[at + low:at + high] = (leaf if type(leaf) is np.ndarray else np.asarray(leaf))[
+                        start + low:start + high]
 
 
 def aligned_empty(shape) -> np.ndarray:
