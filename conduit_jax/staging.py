@@ -1,9 +1,10 @@
 """Staged ingest: the host area where ingested items wait for the next kernel that runs anyway.
 
 An ingest from host memory is a copy: ``StagingArea.stage`` packs the batch into packed rows after the rows already
-waiting, one strided copy per leaf through views built once per area (``storage.HostRows``). The engine hands the waiting rows to the next kernel it dispatches (a draw, a priority
-update, a flush), which writes them into the rings before its own work, in the same dispatch: the write costs what
-a scatter costs inside a kernel that runs anyway, not a kernel of its own. Until then the items count everywhere the
+waiting, one strided copy per leaf through views built once per area (``storage.HostRows``). The engine hands the
+waiting rows to the next kernel it dispatches (a draw, a priority update, a flush), which writes them into the rings
+before its own work, in the same dispatch: the write costs what a scatter costs inside a kernel that runs anyway, not
+a kernel of its own. Until then the items count everywhere the
 host decides (size, rate limiter, queue capacity): the engine keeps its status counters in step at ``stage``.
 
 Reuse. JAX reads a 64-byte-aligned NumPy argument in place on CPU (and copies it to an accelerator while the kernel is
@@ -24,7 +25,7 @@ from conduit_jax.errors import ConfigError
 from conduit_jax.storage import HostRows, RowLayout
 
 STAGING_BYTES = 8 << 20  # a staging area holds at most this many bytes of packed rows (at least one item per shard)
-SPARE_AREAS = 2  # finished areas kept for reuse; fresh pages fault on their first write
+SPARE_AREAS = 2  # finished areas kept for reuse; a fresh one is zero-filled first (every page faulted in)
 
 
 class StagingArea:

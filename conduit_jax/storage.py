@@ -213,7 +213,7 @@ class RowLayout(NamedTuple):
         return x.astype(jnp.bool_) if dtype == np.bool_ else x
 
 
-PACK_BLOCK_BYTES = 512 << 10  # HostRows.write copies rows in blocks of this size (half a core's 1 MiB L2 here; see there)
+PACK_BLOCK_BYTES = 512 << 10  # HostRows.write copies rows in blocks of this size (half of one core's 1 MiB L2 here)
 
 
 class HostRows:
