@@ -190,12 +190,12 @@ class Engine:
 
     Besides the state, the engine holds the host work that is not in it yet, in the order it was given: checked
     priority updates (``pend``) and then staged ingests (``ingest(..., staged=True)``: packed into a host
-    ``StagingArea``, see ``staging.py``). Every kernel the engine dispatches applies the updates, then writes the
-    staged rows, then does its own work, all in one dispatch, except that updates and rows to write together take
-    two (the updates' kernel first; see ``_dispatch``), and a step given with ``rows_apart`` runs after a kernel
-    that writes the rows; ``flush`` runs a kernel for just those. So whatever
-    reads the state (a draw, ``state``, ``status``, ``run``) sees everything given before it. A caller that gives an
-    update while rows are staged flushes first (the plane does), which keeps updates before staged rows.
+    ``StagingArea``, see ``staging.py``, or a device batch's rows packed on the device). Every kernel the engine
+    dispatches applies the updates, then writes the staged rows, then does its own work, all in one dispatch, except
+    that updates and rows to write together take two (the updates' kernel first; see ``_dispatch``), and a step
+    given with ``rows_apart`` runs after a kernel that writes the rows; ``flush`` runs a kernel for just those. So
+    whatever reads the state (a draw, ``state``, ``status``, ``run``) sees everything given before it. A caller that
+    gives an update while rows are staged flushes first (the plane does), which keeps updates before staged rows.
 
     Not thread-safe: the caller serialises calls (the plane holds its lock around each), except ``pend``, a deque
     append that any thread may make. ``state`` may be None (freed, e.g. before a restore reads the saved one);

@@ -147,7 +147,8 @@ def test_a_state_assigned_back_delivers_again_what_it_held_and_a_foreign_one_is_
     for got, want in zip(jax.tree.leaves(again), jax.tree.leaves(first)):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     smaller = RolloutPlane(spec, 256, 16, 2, rollouts.packed(4, 24))
-    with pytest.raises(ConfigError, match=r"RolloutPlane.state: leaf .*tokens.* must be int32\[512\], got int32\[256\]"):
+    refused = r"RolloutPlane.state: leaf .*tokens.* must be int32\[512\], got int32\[256\]"
+    with pytest.raises(ConfigError, match=refused):
         plane.state = smaller.state
     assert len(plane) == 1 and int(plane.deliver().groups) == 1
 

@@ -82,7 +82,6 @@ def schedule_word(schedule, where: str) -> str:
                      f"most one priority update), got {schedule!r}")
 
 
-
 def adaptive_choice(current: str, waited_s: float, learner_s: float, deferred_batches: int) -> str:
     """The ``"adaptive"`` schedule's rule: where the next prioritized batch is drawn ahead. ``"overlap"`` (after
     ``update_priorities``: the batch sees every update, as under sync) while ``sample()`` does not wait for it
