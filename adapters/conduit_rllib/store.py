@@ -350,8 +350,7 @@ class EpisodeStore:
                batch_length_T: Optional[int] = None, n_step: Optional[Union[int, tuple]] = None,
                beta: float = 0.0, gamma: float = 0.99, include_infos: bool = False,
                include_extra_model_outputs: bool = False, sample_episodes: Optional[bool] = False,
-               to_numpy: bool = False,
-               lookback: int = 0, min_batch_length_T: int = 0, **kwargs):
+               to_numpy: bool = False, lookback: int = 0, min_batch_length_T: int = 0, **kwargs):
         start = time.perf_counter()
         name = self._label
         if num_items is not None and batch_size_B is not None:
@@ -519,9 +518,8 @@ class EpisodeStore:
         n = self.rng.integers(low, high + 1, size=candidates, dtype=np.int32) if low < high else \
             np.full(candidates, low, np.int32)
         columns, ids, enough, fitting = self._call("update_draw" if update else "draw", static, *update, n,
-                                                   np.float32(request.beta),
-                                                   np.float32(request.gamma), np.uint32(self.seed),
-                                                   np.uint32(self._draws))
+                                                   np.float32(request.beta), np.float32(request.gamma),
+                                                   np.uint32(self.seed), np.uint32(self._draws))
         self._draws += 1
         if padded != request.size:
             columns, ids = {k: v[:request.size] for k, v in columns.items()}, ids[:request.size]
