@@ -223,6 +223,21 @@ SLOW_KEPT = ("test_delivery_is_sharded_over_the_mesh_axes",  # the samplers' sha
              "test_a_mix_of_sample_and_deliver_keeps_fifo_exactly_once_and_epochs_once_per_epoch")  # issue 42: 1 and 8
 
 
+# Seconds each file's default tests took in a run on the 2-core CI host (two workers). pytest-xdist hands a worker
+# one file at a time in collection order (pyproject.toml: --dist loadfile --no-loadscope-reorder), so the files go
+# longest first: the last file handed out is a short one, and neither worker idles long while the other finishes
+# (its own reorder, by number of tests, left 20-second single-test files for last). Only the order depends on these
+# figures; a file not listed goes last, in the usual order.
+FILE_SECONDS = {
+    "test_rllib_contract": 71, "test_rllib_adapter": 64, "test_checkpoint": 63, "test_functional": 60,
+    "test_rllib_multi_agent": 52, "test_staging": 44, "test_schedule": 36, "test_distributed": 34,
+    "test_kernel_hlo": 28, "test_plane": 28, "test_reliability": 26, "test_rollouts": 24, "test_prioritized": 22,
+    "test_delivery": 22, "test_learners": 21, "test_benchmarks_smoke": 21, "test_samplers": 19, "test_sumtree": 18,
+    "test_sequences": 18, "test_storage": 18, "test_rollout_plane": 17, "test_demo": 15, "test_jitted_learners": 14,
+    "test_multihost": 11, "test_runtime": 9, "test_rollout_checkpoint": 6, "test_limits": 5,
+}
+
+
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
 def pytest_collection_modifyitems(config, items):
     import fnmatch
@@ -231,3 +246,4 @@ def pytest_collection_modifyitems(config, items):
         if item.originalname not in SLOW_KEPT and any(fnmatch.fnmatchcase(item.nodeid, pattern)
                                                       for pattern in SLOW_VARIANTS):
             item.add_marker(pytest.mark.slow)
+    items.sort(key=lambda item: -FILE_SECONDS.get(item.path.stem, 0))  # stable: a file's tests keep their order
