@@ -4,8 +4,8 @@ An ingest from host memory is a copy: ``StagingArea.stage`` packs the batch into
 waiting, one strided copy per leaf through views built once per area (``storage.HostRows``). The engine hands the
 waiting rows to the next kernel it dispatches (a draw, a priority update, a flush), which writes them into the rings
 before its own work, in the same dispatch: the write costs what a scatter costs inside a kernel that runs anyway, not
-a kernel of its own. Until then the items count everywhere the
-host decides (size, rate limiter, queue capacity): the engine keeps its status counters in step at ``stage``.
+a kernel of its own. Until then the items count everywhere the host decides (size, rate limiter, queue capacity): the
+engine keeps its status counters in step at ``stage``.
 
 Reuse. JAX reads a 64-byte-aligned NumPy argument in place on CPU (and copies it to an accelerator while the kernel is
 dispatched), so an area given to a kernel is packed again only once that kernel has finished, which its ``finished``
