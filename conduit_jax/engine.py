@@ -765,8 +765,8 @@ class RolloutEngine:
     def staged_groups(self) -> int:
         return sum(groups.lengths.shape[0] for groups in self.staged)
 
-    def _kernel(self, name: str, staged: int):
-        key = (name, staged)
+    def _kernel(self, name: str, staged: int, rows: Optional[int]):
+        key = (name, staged, rows)
         if key not in self._kernels:
             buffer = self.buffer
 
@@ -774,12 +774,12 @@ class RolloutEngine:
                 if groups is not None:
                     state = buffer.ingest(state, groups)
                 state = buffer.set_policy_version(state, version)
-                return buffer.deliver(state, *plan) if name == "deliver" else (state, None)
+                return buffer.deliver(state, *plan, rows=rows) if name == "deliver" else (state, None)
 
             self._kernels[key] = jax.jit(step, donate_argnums=0)
         return self._kernels[key]
 
-    def _dispatch(self, name: str, version: int, *plan):
+    def _dispatch(self, name: str, version: int, *plan, rows: Optional[int] = None):
         staged, self.staged = self.staged, []
         count = sum(g.lengths.shape[0] for g in staged)
         groups = None
@@ -799,13 +799,15 @@ class RolloutEngine:
         kernel_name = f"{'staged+' if count else ''}{name}"
         self.dispatches[kernel_name] += 1
         with CompileScope(self.compiles, kernel_name):
-            self._state, out = self._kernel(name, count)(self._state, groups, np.int32(version), *plan)
+            self._state, out = self._kernel(name, count, rows)(self._state, groups, np.int32(version), *plan)
         self.version = version
         return out
 
-    def deliver(self, plan: "rollouts.BatchPlan", version: int) -> "rollouts.RolloutBatch":
-        """Write the staged groups, then the batch ``plan`` describes (planned after them), in one dispatch."""
-        return self._dispatch("deliver", version, plan)
+    def deliver(self, plan: "rollouts.BatchPlan", version: int,
+                rows: Optional[int] = None) -> "rollouts.RolloutBatch":
+        """Write the staged groups, then the batch ``plan`` describes (planned after them), in one dispatch; ``rows``:
+        lay out only the layout's first ``rows`` rows (at least ``rollouts.rows_needed(plan)``; a kernel per value)."""
+        return self._dispatch("deliver", version, plan, rows=rows)
 
     def flush(self, version: int) -> None:
         """Write the staged groups and the policy version now (nothing when none is staged and the state holds

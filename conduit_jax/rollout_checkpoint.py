@@ -4,15 +4,15 @@
     ...                                         # later, in another process:
     plane = cj.RolloutPlane.restore("ckpt/rollouts", schedule=cj.schedule.overlap(2))  # the newest step
 
-What a checkpoint holds. Step ``k`` of a directory is an orbax step folder ``<directory>/<k>/`` with an ``arrays``
-item, every leaf of the plane's ``rollouts.RolloutState`` (token rings, group table, the queue's cursor, reader and
-counters, the learner's policy version), and a JSON ``meta`` item: the format and its version, the ``RolloutSpec``
-(group size, max length, token leaf names and dtype names), ``token_capacity``, ``group_capacity``,
-``groups_per_batch``, the layout (name, rows, row length), ``max_staleness``, ``scale_advantages``, ``min_fill``, the
-schedule, the sequences masked stale at delivery so far (``stats()['masked_stale']``), every array's shape, dtype and
-CRC-32, and the metadata's own CRC-32. Nothing is pickled. Numbering, the background write, atomicity (a save killed
-mid-write leaves only orbax's tmp folder, which restore never reads) and retention (``max_to_keep``) are
-``checkpoint.write_step``'s, so they behave as for an ``ExperienceDataPlane``.
+What a checkpoint holds. Step ``k`` of a directory is an orbax step folder ``<directory>/<k>/`` with an ``arrays`` item,
+every leaf of the plane's ``rollouts.RolloutState`` (token rings, group table, the queue's cursor, reader and counters,
+the learner's policy version), and a JSON ``meta`` item: the format and its version, the ``RolloutSpec`` (group size,
+max length, token leaf names and dtype names), ``token_capacity``, ``group_capacity``, ``groups_per_batch``, the layout
+(name, rows, row length), ``max_staleness``, ``scale_advantages``, ``min_fill``, ``trim_rows``, the schedule, the
+sequences masked stale at delivery so far (``stats()['masked_stale']``), every array's shape, dtype and CRC-32, and the
+metadata's own CRC-32. Nothing is pickled. Numbering, the background write, atomicity (a save killed mid-write leaves
+only orbax's tmp folder, which restore never reads) and retention (``max_to_keep``) are ``checkpoint.write_step``'s, so
+they behave as for an ``ExperienceDataPlane``.
 
 Save writes the staged groups and the learner's latest policy version, and copies the state under the plane's lock
 (one on-device copy, dispatched); a background thread writes the copy while ingest and deliver go on. Restore
@@ -47,7 +47,7 @@ FORMAT_VERSION = 1
 READABLE_VERSIONS = (1,)
 # the RolloutPlane constructor's arguments a checkpoint records (restore's ``expected`` may name any of them)
 SETTINGS = ("spec", "token_capacity", "group_capacity", "groups_per_batch", "layout", "max_staleness",
-            "scale_advantages", "min_fill")
+            "scale_advantages", "min_fill", "trim_rows")
 
 all_steps = checkpoint.all_steps  # the finished steps of a directory, oldest first
 latest_step = checkpoint.latest_step
@@ -116,6 +116,7 @@ def _metadata(plane) -> dict:
         "max_staleness": config.max_staleness,
         "scale_advantages": config.scale_advantages,
         "min_fill": plane.min_fill,
+        "trim_rows": plane.trim_rows,
         "schedule": checkpoint.schedule_json(plane.schedule),
         "masked_stale": plane.masked_stale,
     }
@@ -209,6 +210,7 @@ def _settings(meta: dict, where: str) -> dict:
         "max_staleness": _field(meta, "max_staleness", int, where, True),
         "scale_advantages": _field(meta, "scale_advantages", bool, where),
         "min_fill": float(_field(meta, "min_fill", (int, float), where)),
+        "trim_rows": bool(_field(meta, "trim_rows", bool, where, True)),  # absent before it existed: False
     }
 
 

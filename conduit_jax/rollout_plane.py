@@ -45,6 +45,7 @@ from conduit_jax import schedule as schedule_lib
 from conduit_jax.delivery import CountedLock, Scheduler, check_version, checked_timeout, wait_until, weakly
 from conduit_jax.engine import RolloutEngine
 from conduit_jax.errors import CapacityError, ConfigError, NotEnoughDataError
+from conduit_jax.replay import compile_size
 
 DRAWN_VERSIONS_KEPT = 64  # recent draws whose groups' versions the plane keeps (a batch older than these is re-checked
 # on the device)
@@ -59,12 +60,14 @@ class RolloutPlane:
     (default: where the buffer lives). ``min_fill``: a batch is drawn once it is full (its window of
     ``groups_per_batch`` groups, or in a packed layout a group it could not fit) or its sequences fill this share
     of it (tokens of the budget packed, rows padded); 0 draws whatever is deliverable. A prefetching worker then
-    lays out whole batches, not a generation's leftovers."""
+    lays out whole batches, not a generation's leftovers. ``trim_rows``: a batch has only the rows its sequences
+    fill, rounded up by the padding rule (at most 1/16 more; ``row_counts()`` lists the few shapes, for a learner
+    to compile ahead), instead of the layout's whole token budget: the layout is then a budget, not a shape."""
 
     def __init__(self, spec: rollouts.RolloutSpec, token_capacity: int, group_capacity: int, groups_per_batch: int,
                  layout: Optional[rollouts.Layout] = None, *, max_staleness: Optional[int] = None,
                  scale_advantages: bool = True, schedule: Optional[schedule_lib.Schedule] = None, mesh=None,
-                 learner_mesh=None, min_fill: float = 1.0):
+                 learner_mesh=None, min_fill: float = 1.0, trim_rows: bool = False):
         where = "RolloutPlane()"
         self.schedule = schedule_lib.staged() if schedule is None else schedule
         if not isinstance(self.schedule, schedule_lib.Schedule):
@@ -83,6 +86,9 @@ class RolloutPlane:
             raise ConfigError(f"{where}: min_fill must be a number in [0, 1] (the share of a batch that must be "
                               f"filled before it is drawn), got {min_fill!r}")
         self.min_fill = float(min_fill)
+        if not isinstance(trim_rows, (bool, np.bool_)):
+            raise ConfigError(f"{where}: trim_rows must be a bool, got {trim_rows!r}")
+        self.trim_rows = bool(trim_rows)
         self.learner_mesh = learner_mesh
         self._learner_shardings = None  # per leaf of a batch, built from the first one
         self.queue = rollouts.HostQueue(self.config)  # what is stored, staged and deliverable, known on the host
@@ -170,8 +176,9 @@ class RolloutPlane:
         wait_until(self._changed, self._sample_refusal, timeout)
         plan = self.queue.plan()
         self.queue.commit(plan)
+        rows = self._trimmed_rows(rollouts.rows_needed(plan)) if self.trim_rows else None
         with self.timeline.span("sample"):
-            batch = self.engine.deliver(plan, self.queue.policy_version)
+            batch = self.engine.deliver(plan, self.queue.policy_version, rows)
         self._changed.notify_all()  # groups left the queue: an ingest waiting for room may go on
         if self.learner_mesh is not None:
             batch = jax.device_put(batch, self._shardings_on_learner(batch))
@@ -179,6 +186,17 @@ class RolloutPlane:
                                      np.where(plan.taken, self.queue.version[plan.slots], -1)))
         self._released_by_draws.append(batch)
         return batch
+
+    def _trimmed_rows(self, needed: int) -> int:
+        return compile_size(needed, steps_per_octave=8, limit=rollouts.batch_rows(self.config))
+
+    def row_counts(self) -> tuple[int, ...]:
+        """The row counts of the batches ``deliver()`` may hand over, smallest first: the layout's alone, or with
+        ``trim_rows`` the few the padding rule rounds to (a learner compiles its step for each ahead of time)."""
+        full = rollouts.batch_rows(self.config)
+        if not self.trim_rows:
+            return (full,)
+        return tuple(sorted({self._trimmed_rows(needed) for needed in range(1, full + 1)}))
 
     def move_cost(self, topology) -> dict[str, float]:
         """What moving each batch to the learner's devices costs on ``topology`` (a ``placement.Topology`` whose

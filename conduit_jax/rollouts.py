@@ -31,14 +31,16 @@ before the learner's (``set_policy_version``) is never delivered (AReaL's bound)
 it and counted in ``state.dropped_stale``; groups retired by an overwrite before delivery are counted in
 ``state.dropped_overwritten``.
 
-Layouts. ``packed(rows, row_length)``: the chosen groups' sequences are placed whole into ``[rows, row_length]``
-(first fit, longest first within a group); a group that does not fit what the earlier ones left is the next
-batch's first, and a later group of the window (``groups_per_batch``) that fits fills the rows' ends meanwhile.
-``padded()``: one sequence per row, ``[groups_per_batch * G, max_length]``, for comparison. Either way a batch
-holds, per token position: every token leaf, ``segment_ids`` (0 on padding; the sequence's index in the batch + 1,
-so tokens of one row attend only within their segment), ``positions`` (within the sequence), ``loss_mask`` (the
-response tokens: position >= prompt length) and ``advantages`` (the sequence's group advantage on its tokens;
-a group whose rewards are all equal gets exactly 0):
+Layouts. ``packed(rows, row_length)``: the chosen groups' sequences are placed whole into ``[rows, row_length]`` (first
+fit, longest first within a group); a group that does not fit what the earlier ones left is the next batch's first, and
+a later group of the window (``groups_per_batch``) that fits fills the rows' ends meanwhile. ``padded()``: one sequence
+per row, ``[groups_per_batch * G, max_length]``, for comparison. A host program that plans a batch (``HostQueue``) knows
+how many rows its sequences fill (``rows_needed(plan)``: they fill the first rows) and may have ``deliver`` lay out only
+those (``rows=``): token-budget batching, as verl's dynamic batch size, so a batch holding fewer tokens than the budget
+costs the learner fewer rows. Either way a batch holds, per token position: every token leaf, ``segment_ids`` (0 on
+padding; the sequence's index in the batch + 1, so tokens of one row attend only within their segment), ``positions``
+(within the sequence), ``loss_mask`` (the response tokens: position >= prompt length) and ``advantages`` (the sequence's
+group advantage on its tokens; a group whose rewards are all equal gets exactly 0):
 ``(reward - mean) / (std + eps)`` over the group (``std`` with ddof=1, as TRL and verl compute it), or
 ``reward - mean`` with ``scale_advantages=False``.
 """
@@ -173,7 +175,8 @@ class RolloutBuffer(NamedTuple):
     can_sample(state) -> bool[]; can_ingest(state, groups) -> bool[] (no undelivered group would be retired);
     set_policy_version(state, version) -> state; size(state) -> int32[] (undelivered groups still stored).
     ``sample`` is ``deliver(state, plan(state))``: ``plan`` chooses the groups and places their sequences
-    (``BatchPlan``), ``deliver`` lays the batch out; a host program may plan with ``HostQueue`` instead.
+    (``BatchPlan``), ``deliver`` lays the batch out; a host program may plan with ``HostQueue`` instead, and then
+    pass ``deliver(state, plan, rows=n)`` to lay out only the first ``n >= rows_needed(plan)`` rows.
     ``shardings``: the state's shardings (token rings split over the mesh, tables replicated)."""
 
     config: "RolloutConfig"
@@ -230,8 +233,17 @@ def make_rollout_buffer(spec: RolloutSpec, token_capacity: int, group_capacity: 
         # ones, and the next call compiles again)
         return jax.lax.with_sharding_constraint(state, shardings)
 
-    def deliver(state: RolloutState, plan: BatchPlan):
-        state, batch = _deliver(static, state, plan)
+    full_rows = batch_rows(static)
+
+    def deliver(state: RolloutState, plan: BatchPlan, rows: Optional[int] = None):
+        if rows is not None:
+            _checked_int(rows, "rows", "deliver()", 1)
+            if rows > full_rows:
+                raise ConfigError(f"deliver(): rows={rows} exceeds the layout's {full_rows}")
+            if not isinstance(plan.rows, jax.core.Tracer) and rows < rows_needed(plan):
+                raise ConfigError(f"deliver(): rows={rows} would cut sequences the plan places in rows up to "
+                                  f"{rows_needed(plan) - 1}; give rows >= rollouts.rows_needed(plan)")
+        state, batch = _deliver(static, state, plan, full_rows if rows is None else int(rows))
         return placed(state), batch
 
     return RolloutBuffer(
@@ -523,15 +535,29 @@ def _plan(static: RolloutConfig, state: RolloutState) -> BatchPlan:
                      jnp.sum((passed & live & ~fresh).astype(jnp.int32)))
 
 
-def _deliver(static: RolloutConfig, state: RolloutState, plan: BatchPlan):
-    """Lay out the batch ``plan`` describes and move the queue's reader past it."""
-    spec, batch = static.spec, static.groups_per_batch
+def batch_rows(config: RolloutConfig) -> int:
+    """Rows of a whole batch of a buffer with ``config`` (``buffer.config``): the packed layout's rows, or one per
+    sequence of ``groups_per_batch`` groups padded."""
+    if config.layout.name == "packed":
+        return config.layout.rows
+    return config.groups_per_batch * config.spec.group_size
+
+
+def rows_needed(plan: BatchPlan) -> int:
+    """Rows a batch planned on the host (``HostQueue.plan()``) puts sequences in: they fill its first rows (first fit
+    opens a row only when none before it has room; padded rows go in group order), so ``deliver(state, plan,
+    rows=rows_needed(plan))`` lays out all of it. At least 1."""
+    taken = np.asarray(plan.taken)
+    return int(np.max(np.asarray(plan.rows)[taken])) + 1 if taken.any() else 1
+
+
+def _deliver(static: RolloutConfig, state: RolloutState, plan: BatchPlan, rows: int):
+    """Lay out the batch ``plan`` describes in its layout's first ``rows`` rows and move the queue's reader past
+    it."""
+    spec = static.spec
     slots, taken, row, column = plan.slots, plan.taken, plan.rows, plan.columns
     count = jnp.sum(taken.astype(jnp.int32))
-    if static.layout.name == "packed":
-        rows, row_length = static.layout.rows, static.layout.row_length
-    else:
-        rows, row_length = batch * spec.group_size, spec.max_length
+    row_length = static.layout.row_length if static.layout.name == "packed" else spec.max_length
     group_size = spec.group_size
     mask = jnp.repeat(taken, group_size)  # [n] sequences delivered
     lengths = jnp.where(mask, state.length[slots].reshape(-1), 0)

@@ -17,7 +17,7 @@ from conduit_jax.checkpoint import CheckpointError
 GROUP, LONGEST = 4, 8
 SPEC = rollouts.RolloutSpec(GROUP, LONGEST, {"tokens": np.int32, "logprobs": np.float32})
 SETTINGS = dict(token_capacity=256, group_capacity=16, groups_per_batch=2,
-                layout=rollouts.packed(rows=4, row_length=16), max_staleness=1)
+                layout=rollouts.packed(rows=4, row_length=16), max_staleness=1, trim_rows=True)
 # orbax leaves the other reads of a failed restore behind as coroutines whose errors surface at garbage collection
 # (as tests/test_checkpoint.py notes), some as callbacks into the read's event loop, closed by then
 pytestmark = [pytest.mark.filterwarnings(f"ignore:Exception ignored in{what}:pytest.PytestUnraisableExceptionWarning")

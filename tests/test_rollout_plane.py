@@ -261,6 +261,45 @@ def test_device_groups_are_checked_by_value_and_a_refused_ingest_stages_nothing(
     assert int(plane.deliver().groups) == 1
 
 
+@pytest.mark.parametrize("layout", [rollouts.packed(4, 24), rollouts.padded()], ids=["packed", "padded"])
+def test_trimmed_batches_are_the_whole_batches_first_rows(layout):
+    """trim_rows: a batch holds only the rows its sequences fill, in one of row_counts()'s shapes, and equals there
+    the batch a plane without it delivers, whose other rows are padding. The functional deliver() refuses rows that
+    would cut the plan's sequences."""
+    spec = rollouts.RolloutSpec(GROUP, 12, {"tokens": np.int32})
+    whole = RolloutPlane(spec, 512, 16, 3, layout, min_fill=0.0)
+    trimmed = RolloutPlane(spec, 512, 16, 3, layout, min_fill=0.0, trim_rows=True)
+    full = 4 if layout.name == "packed" else 3 * GROUP
+    assert whole.row_counts() == (full,) and trimmed.row_counts() == tuple(range(1, full + 1))
+    rng, seen, shapes = np.random.default_rng(8), set(), set()
+    for count in (1, 3, 2):
+        groups, known = make_groups(rng, count, 0, 1000 * count)
+        whole.ingest(groups)
+        trimmed.ingest(groups)
+        while whole.can_sample():
+            plan = whole.queue.plan()
+            if count == 3:  # the functional step, given the plan the plane is about to use
+                needed = rollouts.rows_needed(plan)
+                for rows, why in ((needed - 1, "would cut sequences"), (full + 1, "exceeds the layout's")):
+                    if rows:
+                        with pytest.raises(ConfigError, match=why):
+                            whole.buffer.deliver(whole.state, plan, rows=rows)
+            ours, theirs = whole.deliver(), trimmed.deliver()
+            rows = theirs.segment_ids.shape[0]
+            assert rows == rollouts.rows_needed(plan) and rows in trimmed.row_counts()
+            shapes.add(rows)
+            check_delivered(theirs, known, seen, 0, None)
+            for field in ("segment_ids", "positions", "loss_mask", "advantages"):
+                np.testing.assert_array_equal(np.asarray(getattr(ours, field))[:rows], getattr(theirs, field))
+            np.testing.assert_array_equal(np.asarray(ours.leaves["tokens"])[:rows], theirs.leaves["tokens"])
+            assert not np.any(np.asarray(ours.segment_ids)[rows:])  # the rows trimmed off held nothing
+            for field in ("ids", "rewards", "lengths", "versions", "sequence_mask", "groups", "valid"):
+                np.testing.assert_array_equal(getattr(ours, field), getattr(theirs, field))
+    assert len(shapes) > 1 and len(seen) == 6 and len(trimmed) == 0
+    with pytest.raises(ConfigError, match="trim_rows must be a bool"):
+        RolloutPlane(spec, 512, 16, 3, trim_rows="yes")
+
+
 def test_a_batch_waits_until_it_is_full_or_filled_enough():
     """min_fill=1 (the default): a batch is drawn once its window of groups is there or a group did not fit; a
     lower min_fill draws once the sequences fill that share of the token budget."""
