@@ -4,7 +4,9 @@ The task: a prompt is a list of 1..``max_items`` distinct digits followed by ``=
 same digits in ascending order followed by EOS (``1 3 9 <eos>``). The reward is verifiable and graded: the number of
 answer positions holding the right digit divided by the longer of the answer and the target, so an exact answer
 scores 1, an answer of the right digits in a wrong order or length scores in between, and the random initial policy
-scores near 0.1. Answers (and prompts) vary in length, which is what makes padding expensive and packing worth it.
+scores near 0.1. Answers (and prompts) vary in length, which is what makes padding expensive and packing worth it:
+short lists are common and long ones rare (``item_decay``: k items with probability proportional to 0.7 ** k), as the
+lengths of an LLM's responses are long-tailed, while a padded batch pays for the longest.
 ``TARGET_REWARD`` is the mean reward the policy is meant to reach.
 
 The pieces, each a pure function (the experiment is also their smallest test):
@@ -26,8 +28,9 @@ Three experience paths move the same rollouts from generation to the same learne
     advantages in NumPy, ``jax.device_put`` (its own lock and queue, as a user writes it);
   * ``conduit-padded`` and ``conduit-packed``: the rollouts go through ``conduit_jax.RolloutPlane``: ``ingest``
     stages a generation's groups on the host (no kernel), ``deliver`` hands over a batch of whole groups with their
-    advantages, padded to ``[B, max_length]`` or packed into ``[rows, row_length]``, laid out by one kernel that
-    writes the staged groups first; ``set_policy_version`` after each learner step.
+    advantages, padded to ``[B, max_length]`` or packed into at most ``[rows, row_length]`` (the plane's
+    ``trim_rows``: a batch has the rows its sequences fill; ``--no-trim-rows`` for the fixed shape), laid out by one
+    kernel that writes the staged groups first; ``set_policy_version`` after each learner step.
 Each runs synchronously (generate, then learn, alternating; Conduit on ``schedule.staged()``: the learner's deliver()
 runs the kernel) and overlapped: a producer thread generates with a snapshot of the parameters and feeds the path
 while the learner thread takes batches and learns (Conduit on ``schedule.overlap(1)``, ``--schedule adaptive`` for
@@ -40,7 +43,8 @@ Reported per path and mode: packing efficiency (useful tokens / computed tokens 
 sequences are not useful), learner tokens per second (useful tokens per second of learner time), the exposed
 experience path per iteration (the learner thread's time on the experience path, wall clock with
 ``block_until_ready``: naive: pop, pad, advantages, transfer; Conduit: ``ingest`` (sync mode) + ``deliver`` +
-``set_policy_version``), the stale groups dropped and masked, and the mean-reward curve; for learning, the final
+``set_policy_version``; steps that compiled, for a new batch shape, are left out of the timings), the stale groups
+dropped and masked, the row counts of the batches, and the mean-reward curve; for learning, the final
 mean rewards of the packed overlapped path against the naive synchronous one over the seeds (Welch's t-test).
 
 Writes ``experiments/results/grpo.json`` and ``grpo.png`` (``--quick``: ``grpo_quick.*``); the run time is the
@@ -80,6 +84,9 @@ MODES = ("sync", "overlap")
 @dataclasses.dataclass(frozen=True)
 class GRPOConfig:
     max_items: int = 8  # a prompt lists 1..max_items distinct digits
+    # P(k items) is proportional to item_decay ** k: short lists are common and long ones rare, as LLM response
+    # lengths are long-tailed (1.0: every count alike; the mean reward and padding then differ, see the REPORT)
+    item_decay: float = 0.7
     group_size: int = 8  # G answers per prompt
     groups_per_batch: int = 8  # prompts per learner batch (and per generation: one learner step per generation)
     iterations: int = 300  # learner steps per run
@@ -91,11 +98,14 @@ class GRPOConfig:
     scale_advantages: bool = True  # False: advantage = reward - group mean (no division by the group's std)
     max_staleness: int = 2  # groups older than this many policy versions never reach the loss
     overlap_schedule: str = "overlap"  # the plane's schedule in overlap mode: overlap (overlap(1)) or adaptive
-    # the packed layout's token budget per learner batch, rows x row_length: about a generation's useful tokens (~920
+    # the packed layout's token budget per learner batch, rows x row_length: about a generation's useful tokens (~700
     # here) over the packing efficiency aimed at (0.9), so a generation's groups fit one batch; a smaller budget
-    # (8 x 96 before) left ~2 of 8 groups per batch waiting, a backlog that aged out as stale groups
-    rows: int = 16
+    # left groups of each generation waiting, a backlog that aged out as stale groups
+    rows: int = 12
     row_length: int = 64
+    # packed batches take only the rows their sequences fill (the plane's trim_rows: the budget is a maximum, as in
+    # verl's dynamic batch size), so a batch of fewer tokens than the budget costs the learner fewer rows
+    trim_rows: bool = True
     token_capacity: int = 16_384  # the conduit buffer's token ring
     group_capacity: int = 64
 
@@ -112,17 +122,19 @@ class GRPOConfig:
         return self.groups_per_batch * self.group_size
 
 
-QUICK = dict(max_items=6, iterations=80, rows=13, row_length=64)  # ~730 useful tokens a generation
+QUICK = dict(max_items=6, iterations=80)  # ~650 useful tokens a generation, within the default budget
 
 
 # ------------------------------------------------------------------------------------------------------------------
 # The task
 # ------------------------------------------------------------------------------------------------------------------
-def make_prompts(rng: jax.Array, prompts: int, max_items: int, max_length: int):
+def make_prompts(rng: jax.Array, prompts: int, max_items: int, max_length: int, item_decay: float = 1.0):
     """``prompts`` random prompts: ``tokens`` int32[prompts, max_length] (digits, '=', then PAD) and their lengths
-    int32[prompts] (items + 1). Each prompt lists 1..max_items distinct digits in random order."""
+    int32[prompts] (items + 1). Each prompt lists 1..max_items distinct digits in random order, k of them with
+    probability proportional to ``item_decay ** k``."""
     count_rng, order_rng = jax.random.split(rng)
-    items = jax.random.randint(count_rng, (prompts,), 1, max_items + 1)
+    logits = jnp.arange(max_items) * np.log(item_decay)
+    items = jax.random.categorical(count_rng, logits, shape=(prompts,)) + 1
     # distinct digits: the first `items` of a random permutation of 0..9
     digits = jnp.argsort(jax.random.uniform(order_rng, (prompts, 10)), axis=1)
     digits = jnp.pad(digits, ((0, 0), (0, max(0, max_length - 10))))[:, :max_length]
@@ -237,7 +249,7 @@ def make_generate(config: GRPOConfig, policy: Policy):
 
     def generate(params, rng, version):
         prompt_rng, sample_rng = jax.random.split(rng)
-        tokens, prompt_lengths = make_prompts(prompt_rng, prompts, config.max_items, width)
+        tokens, prompt_lengths = make_prompts(prompt_rng, prompts, config.max_items, width, config.item_decay)
         tokens = jnp.repeat(tokens, group, axis=0)  # [N, T], each prompt G times
         prompt_lengths = jnp.repeat(prompt_lengths, group, axis=0)
         n = tokens.shape[0]
@@ -323,9 +335,9 @@ class Learner(NamedTuple):
     opt_state: Any
 
 
-def make_learner(config: GRPOConfig, policy: Policy):
+def make_learner(config: GRPOConfig, policy: Policy, compiles: Optional[collections.Counter] = None):
     """``(init(rng) -> Learner, step(learner, batch) -> (learner, loss, metrics))``, the step jitted (one program per
-    batch shape: padded and packed compile apart)."""
+    batch shape: padded and packed compile apart), its compilations counted in ``compiles``."""
     optimizer = optax.adam(config.learning_rate)
 
     def init(rng) -> Learner:
@@ -338,8 +350,10 @@ def make_learner(config: GRPOConfig, policy: Policy):
         updates, opt_state = optimizer.update(grads, learner.opt_state, learner.params)
         return Learner(optax.apply_updates(learner.params, updates), opt_state), loss, metrics
 
+    from conduit_jax.engine import compiled
+
     # no donation: the overlapped producer may still be generating with the parameters of the step before
-    return init, jax.jit(step)
+    return init, compiled(step, "grpo learner step", collections.Counter() if compiles is None else compiles)
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -438,7 +452,7 @@ class ConduitPath:
         shape = rollouts.packed(config.rows, config.row_length) if layout == "packed" else rollouts.padded()
         self.plane = cj.RolloutPlane(spec, config.token_capacity, config.group_capacity, config.groups_per_batch,
                                      shape, max_staleness=max_staleness, scale_advantages=config.scale_advantages,
-                                     schedule=schedule)
+                                     schedule=schedule, trim_rows=config.trim_rows and layout == "packed")
 
     def groups(self, r: Rollouts):
         """A generation fetched to the host as ``rollouts.Groups``."""
@@ -507,7 +521,8 @@ class Experiment:
         self.config = config
         self.policy = make_policy(config)
         self.generate = make_generate(config, self.policy)
-        self.init_learner, self.step = make_learner(config, self.policy)
+        self.compiles = collections.Counter()  # XLA compilations of the learner's step
+        self.init_learner, self.step = make_learner(config, self.policy, self.compiles)
 
     def path(self, name: str, mode: str = "sync"):
         """A fresh experience path for one run (a Conduit path: a new plane, on the mode's schedule)."""
@@ -570,7 +585,13 @@ def run_one(exp: Experiment, path_name: str, mode: str, seed: int) -> dict:
         shared.generations.append((version, reward, seconds))
         return rollouts, int(tokens), seconds
 
-    steps: list = []  # per learner step: exposed_s, learner_s, useful, computed, groups, loss, staleness
+    steps: list = []  # per learner step: exposed_s, learner_s, useful, computed, groups, loss, staleness, rows, ...
+
+    def compiles() -> int:
+        """XLA compilations of the learner's step and (Conduit) this run's plane kernels so far."""
+        return sum(exp.compiles.values()) + (sum(path.plane.engine.compiles.values()) if conduit else 0)
+
+    compiles_seen = compiles()
     version = 0
 
     def take(version: int, timeout: Optional[float] = 0.0):
@@ -598,8 +619,12 @@ def run_one(exp: Experiment, path_name: str, mode: str, seed: int) -> dict:
         loss = float(loss)  # blocks on the step
         learner_s = time.perf_counter() - start
         delivered = account()
+        # XLA compiled since the last step (the learner's step for a new batch shape or input type, a plane kernel)
+        nonlocal compiles_seen
+        compiles_seen, compiled = compiles(), compiles() > compiles_seen
         steps.append({"exposed_s": exposed, "learner_s": learner_s, "useful": delivered.useful_tokens,
                       "computed": delivered.computed_tokens, "groups": delivered.groups, "loss": loss,
+                      "rows": batch.tokens.shape[0], "compiled": compiled,
                       "staleness": [version - v for v in delivered.versions], "kl": float(metrics["kl"]),
                       "clipped": float(metrics["clipped"])})
         version += 1
@@ -734,7 +759,8 @@ def _overlapped(config: GRPOConfig, path, conduit: bool, shared: _Shared, queued
 
 def summarize_run(config: GRPOConfig, path: str, mode: str, seed: int, steps: list, generations: list, wall: float,
                   wait_s: float, plane: dict) -> dict:
-    timed = steps[WARMUP_STEPS:] or steps
+    # not timed: the first steps, and any that compiled (a trimmed packed batch has a few shapes)
+    timed = [s for s in steps[WARMUP_STEPS:] if not s["compiled"]] or steps
     useful = sum(s["useful"] for s in timed)
     computed = sum(s["computed"] for s in timed)
     learner_s = sum(s["learner_s"] for s in timed)
@@ -752,6 +778,7 @@ def summarize_run(config: GRPOConfig, path: str, mode: str, seed: int, steps: li
         "generation_ms_median": 1e3 * float(np.median([s for _, _, s in generations[1:]] or [0.0])),
         "groups_per_step": float(np.mean([s["groups"] for s in steps])) if steps else None,
         "useful_tokens_per_step": float(np.mean([s["useful"] for s in steps])) if steps else None,
+        "batch_rows": {str(k): int(v) for k, v in zip(*np.unique([s["rows"] for s in steps], return_counts=True))},
         "dropped_stale_groups": int(plane["dropped_stale"]),
         "masked_stale_groups": int(plane["masked_stale"]) // config.group_size,  # masked whole, counted per sequence
         "dropped_overwritten_groups": int(plane["dropped_overwritten"]),
@@ -848,7 +875,7 @@ def verdict(report: dict) -> list[str]:
         efficiency = packed["packing_efficiency"]
         out.append(f"{mode}: packing efficiency {efficiency:.3f} (padded {naive['packing_efficiency']:.3f}; goal >= "
                    f"{goals['packing_efficiency']}: {'reached' if efficiency >= goals['packing_efficiency'] else 'NOT reached'})"
-                   f"; learner tokens/s {packed['learner_tokens_per_s_vs_naive']:.2f}x naive"
+                   f"; learner tokens/s {packed['learner_tokens_per_s_vs_naive']:.3f}x naive"
                    + ("" if padded is None else f" (conduit-padded {padded['learner_tokens_per_s_vs_naive']:.2f}x)")
                    + f" (goal >= {goals['learner_tokens_per_s_vs_naive']}: "
                    f"{'reached' if packed['learner_tokens_per_s_vs_naive'] >= goals['learner_tokens_per_s_vs_naive'] else 'NOT reached'})"
@@ -967,17 +994,22 @@ def main(argv: Optional[list[str]] = None) -> int:
                         help="the Conduit plane's schedule in overlap mode (sync mode: staged)")
     parser.add_argument("--no-scale-advantages", action="store_true", help="advantage = reward - group mean")
     parser.add_argument("--rows", type=int, default=None, help=f"rows of the packed layout's token budget "
-                                                                f"(default {defaults.rows}; --quick {QUICK['rows']})")
+                                                                f"(default {defaults.rows})")
     parser.add_argument("--row-length", type=int, default=None,
                         help=f"tokens per packed row (default {defaults.row_length})")
+    parser.add_argument("--item-decay", type=float, default=None,
+                        help=f"P(k items) ~ item_decay ** k (default {defaults.item_decay}; 1: uniform)")
+    parser.add_argument("--no-trim-rows", action="store_true",
+                        help="packed batches always take the whole [rows, row_length] budget (the fixed shape)")
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args(argv)
     overrides = dict(QUICK) if args.quick else {}
-    for key in ("iterations", "rows", "row_length"):
+    for key in ("iterations", "rows", "row_length", "item_decay"):
         if getattr(args, key) is not None:
             overrides[key] = getattr(args, key)
     config = dataclasses.replace(defaults, max_staleness=args.max_staleness, overlap_schedule=args.schedule,
-                                 scale_advantages=not args.no_scale_advantages, **overrides)
+                                 scale_advantages=not args.no_scale_advantages, trim_rows=not args.no_trim_rows,
+                                 **overrides)
     seeds = list(range(args.seeds if args.seeds is not None else 2 if args.quick else 3))
     from experiments.report import command_line
 
