@@ -90,7 +90,7 @@ class RolloutPlane:
             raise ConfigError(f"{where}: trim_rows must be a bool, got {trim_rows!r}")
         self.trim_rows = bool(trim_rows)
         self.learner_mesh = learner_mesh
-        self._learner_shardings = None  # per leaf of a batch, built from the first one
+        self._learner_shardings: dict = {}  # rows of a batch -> per leaf of it, built from the first such batch
         self.queue = rollouts.HostQueue(self.config)  # what is stored, staged and deliverable, known on the host
         self.engine = RolloutEngine(self.buffer)
         self.timeline = metrics.Timeline()
@@ -200,8 +200,8 @@ class RolloutPlane:
 
     def move_cost(self, topology) -> dict[str, float]:
         """What moving each batch to the learner's devices costs on ``topology`` (a ``placement.Topology`` whose
-        device ids are the meshes' ``Device.id``): the batch's bytes and the predicted seconds
-        (``placement.reshard_time``); 0 s without a ``learner_mesh`` or on the same devices."""
+        device ids are the meshes' ``Device.id``): a whole batch's bytes (the most, with ``trim_rows``) and the
+        predicted seconds (``placement.reshard_time``); 0 s without a ``learner_mesh`` or on the same devices."""
         from conduit_jax import placement
 
         abstract = jax.eval_shape(lambda state: self.buffer.sample(state)[1], self.engine.state)
@@ -216,12 +216,13 @@ class RolloutPlane:
     def _shardings_on_learner(self, batch):
         """Each leaf of a batch on the learner's mesh: rows split over its first axis where they divide evenly,
         replicated otherwise (scalars, odd row counts)."""
-        if self._learner_shardings is None:
+        rows = batch.segment_ids.shape[0]  # one shape per row count (trim_rows gives a few)
+        if rows not in self._learner_shardings:
             mesh = self.learner_mesh
             axis, size = mesh.axis_names[0], mesh.shape[mesh.axis_names[0]]
-            self._learner_shardings = jax.tree.map(
+            self._learner_shardings[rows] = jax.tree.map(
                 lambda leaf: NamedSharding(mesh, P(axis) if leaf.ndim and leaf.shape[0] % size == 0 else P()), batch)
-        return self._learner_shardings
+        return self._learner_shardings[rows]
 
     def in_flight(self) -> tuple:
         """The batches the schedule laid out and ``deliver()`` has not handed over yet, oldest first (their groups

@@ -230,6 +230,18 @@ def test_batches_land_on_the_learners_devices():
     nbytes = sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(batch))
     assert cost["batch_bytes"] == nbytes
     assert cost["seconds"] == pytest.approx(topology.link_class("peer").transfer_time(nbytes / 4, 4))
+    # trimmed batches of other row counts (some not divisible by the learner's 4 devices) move as well
+    trimmed = RolloutPlane(spec, 512, 16, 2, rollouts.packed(4, 24), mesh=generation, learner_mesh=learner,
+                           trim_rows=True, min_fill=0.0)
+    rows = []
+    for count, length in ((2, 12), (1, 1)):  # 4 rows first (split over the 4 devices), then one (replicated)
+        trimmed.ingest(rollouts.groups_from_lists(spec, tokens=[[[1] * length] * GROUP] * count,
+                                                  rewards=[[0.0] * GROUP] * count, prompt_lengths=[[0] * GROUP] * count,
+                                                  policy_version=0))
+        batch = trimmed.deliver()
+        rows.append(batch.segment_ids.shape[0])
+        assert batch.leaves["tokens"].sharding.device_set == set(devices[4:])
+    assert rows == [4, 1]
     assert placement.reshard_time(topology, nbytes, [0, 1], [0, 1]) == 0.0  # already where the learner is
 
 
