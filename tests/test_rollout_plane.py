@@ -84,12 +84,14 @@ def test_a_grpo_loop_gets_whole_fresh_groups_once_in_order(policy):
             version = plane.stats()["policy_version"]
             groups, new = make_groups(rng, 2, version, uid)
             uid += 2 * GROUP
-            with lock:  # the learner checks what it gets against what was ingested
-                try:
-                    plane.ingest(groups, timeout=0.5)
-                except CapacityError:
-                    continue
+            with lock:  # known before the ingest returns: the learner checks what it gets against it
                 known.update(new)
+            try:  # not under the lock: waiting for room, this thread must not keep the learner from making it
+                plane.ingest(groups, timeout=0.5)
+            except CapacityError:
+                with lock:
+                    for uid_refused in new:
+                        del known[uid_refused]
 
     producer = threading.Thread(target=generate)
     producer.start()
