@@ -46,6 +46,21 @@ def test_reward_grades_answers():
     assert 0.0 < rewards[1] < 1.0
 
 
+def test_list_lengths_follow_item_decay():
+    """k items with probability proportional to item_decay ** k (chi-square over 20,000 prompts), digits distinct,
+    then '=' and padding."""
+    from scipy import stats
+
+    for decay in (0.7, 1.0):
+        tokens, lengths = jax.device_get(grpo.make_prompts(jax.random.key(0), 20_000, 8, 18, decay))
+        items = lengths - 1
+        counts = np.bincount(items, minlength=9)[1:]
+        expected = decay ** np.arange(1, 9)
+        assert stats.chisquare(counts, counts.sum() * expected / expected.sum()).pvalue > 1e-3, (decay, counts)
+        row, k = tokens[0], items[0]
+        assert len(set(row[:k])) == k and row[k] == grpo.EQ and not row[k + 1:].any()
+
+
 def test_behaviour_logprobs_match_a_recomputation(exp):
     params = exp.init_learner(jax.random.key(0)).params
     r = exp.generate(params, jax.random.key(1), 0)
