@@ -240,9 +240,10 @@ def make_rollout_buffer(spec: RolloutSpec, token_capacity: int, group_capacity: 
             _checked_int(rows, "rows", "deliver()", 1)
             if rows > full_rows:
                 raise ConfigError(f"deliver(): rows={rows} exceeds the layout's {full_rows}")
-            if not isinstance(plan.rows, jax.core.Tracer) and rows < rows_needed(plan):
+            needed = None if isinstance(plan.rows, jax.core.Tracer) else rows_needed(plan)
+            if needed is not None and rows < needed:
                 raise ConfigError(f"deliver(): rows={rows} would cut sequences the plan places in rows up to "
-                                  f"{rows_needed(plan) - 1}; give rows >= rollouts.rows_needed(plan)")
+                                  f"{needed - 1}; give rows >= rollouts.rows_needed(plan)")
         state, batch = _deliver(static, state, plan, full_rows if rows is None else int(rows))
         return placed(state), batch
 

@@ -34,6 +34,12 @@ def make_groups(rng, count, version, first_uid, longest=12):
                                       policy_version=version), known
 
 
+def same_length_groups(spec, length, count=1):
+    """``count`` groups of GROUP responses of ``length`` tokens each (no prompt, reward 0, version 0)."""
+    return rollouts.groups_from_lists(spec, tokens=[[[1] * length] * GROUP] * count, rewards=[[0.0] * GROUP] * count,
+                                      prompt_lengths=[[0] * GROUP] * count, policy_version=0)
+
+
 def check_delivered(batch, known, seen, version, eta):
     """Every token is its sequence's, in order, within one segment of one row; groups whole and once; advantages as
     NumPy computes them; nothing older than the bound in the loss. Returns the groups delivered."""
@@ -237,9 +243,7 @@ def test_batches_land_on_the_learners_devices():
                            trim_rows=True, min_fill=0.0)
     rows = []
     for count, length in ((2, 12), (1, 1)):  # 4 rows first (split over the 4 devices), then one (replicated)
-        trimmed.ingest(rollouts.groups_from_lists(spec, tokens=[[[1] * length] * GROUP] * count,
-                                                  rewards=[[0.0] * GROUP] * count, prompt_lengths=[[0] * GROUP] * count,
-                                                  policy_version=0))
+        trimmed.ingest(same_length_groups(spec, length, count))
         batch = trimmed.deliver()
         rows.append(batch.segment_ids.shape[0])
         assert batch.leaves["tokens"].sharding.device_set == set(devices[4:])
@@ -328,13 +332,9 @@ def test_a_batch_waits_until_it_is_full_or_filled_enough():
     assert int(plane.deliver().groups) == 3
     lenient = RolloutPlane(spec, 1024, 16, 3, rollouts.packed(2, 24), min_fill=0.3)
 
-    def group(length):  # four responses of `length` tokens
-        return rollouts.groups_from_lists(spec, tokens=[[[1] * length] * GROUP], rewards=[[0.0] * GROUP],
-                                          prompt_lengths=[[0] * GROUP], policy_version=0)
-
-    lenient.ingest(group(1))  # 4 tokens of a 48-token budget: 8%
+    lenient.ingest(same_length_groups(spec, 1))  # 4 tokens of a 48-token budget: 8%
     assert not lenient.can_sample()
-    lenient.ingest(group(3))  # 16 of 48: 33%
+    lenient.ingest(same_length_groups(spec, 3))  # 16 of 48: 33%
     assert lenient.can_sample() and int(lenient.deliver().groups) == 2
     with pytest.raises(ConfigError, match="min_fill must be a number in"):
         RolloutPlane(spec, 1024, 16, 3, min_fill=1.5)
