@@ -535,8 +535,10 @@ def checked_timeout(timeout, where: str) -> Optional[float]:
 def wait_until(changed: threading.Condition, refusal, timeout: Optional[float]) -> None:
     """Wait (holding ``changed``) until ``refusal()`` is None; raise its ``(error type, message)`` when ``timeout``
     runs out."""
-    deadline = None if timeout is None else time.monotonic() + timeout
     reason = refusal()
+    if reason is None:
+        return
+    deadline = None if timeout is None else time.monotonic() + timeout
     while reason is not None:
         remaining = None if deadline is None else deadline - time.monotonic()
         if remaining is not None and remaining <= 0:

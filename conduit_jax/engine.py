@@ -80,6 +80,10 @@ def memory_moves(stablehlo: str) -> list[tuple[str, int]]:
     return found
 
 
+MAX_KEPT_COUNTS = 4096  # distinct staged-block item counts an engine keeps as device scalars
+
+
+@functools.lru_cache(maxsize=4096)  # called on every kernel that carries staged rows
 def staged_rows(n: int, num_shards: int, shard_capacity: int) -> int:
     """Rows of the block that carries ``n`` staged items into a kernel: ``num_shards`` times a power of four, at most
     a ring. How many items wait for a draw can depend on thread timing (producers racing a sampler), so the buckets
@@ -92,13 +96,14 @@ def staged_rows(n: int, num_shards: int, shard_capacity: int) -> int:
 # ------------------------------------------------------------------------------------------------------------------
 # compile counting
 # ------------------------------------------------------------------------------------------------------------------
-_compile_scope = threading.local()  # the kernel whose call is running on this thread, if any
+_compile_scope = threading.local()  # the kernels whose calls are running on this thread, innermost last
 
 
 def _count_compile(event: str, duration: float, **kwargs) -> None:
-    counter = getattr(_compile_scope, "counter", None)
-    if event == "/jax/core/compile/backend_compile_duration" and counter is not None:
-        counter[_compile_scope.kernel] += 1
+    running = getattr(_compile_scope, "running", None)
+    if event == "/jax/core/compile/backend_compile_duration" and running:
+        counter, kernel = running[-1]
+        counter[kernel] += 1
 
 
 jax.monitoring.register_event_duration_secs_listener(_count_compile)
@@ -106,18 +111,21 @@ jax.monitoring.register_event_duration_secs_listener(_count_compile)
 
 class CompileScope:
     """While a kernel is called, attribute the XLA compilations JAX reports on this thread to ``kernel`` in
-    ``counter`` (a ``collections.Counter``)."""
+    ``counter`` (a ``collections.Counter``). It keeps no state of its own between ``__enter__`` and ``__exit__`` (the
+    thread's stack does), so an engine makes one per kernel and enters it on every call, from any thread."""
 
     def __init__(self, counter: collections.Counter, kernel: str):
         self.counter, self.kernel = counter, kernel
 
     def __enter__(self):
-        self.saved = getattr(_compile_scope, "counter", None), getattr(_compile_scope, "kernel", None)
-        _compile_scope.counter, _compile_scope.kernel = self.counter, self.kernel
         self.counter.setdefault(self.kernel, 0)
+        running = getattr(_compile_scope, "running", None)
+        if running is None:
+            running = _compile_scope.running = []
+        running.append((self.counter, self.kernel))
 
     def __exit__(self, *exc):
-        _compile_scope.counter, _compile_scope.kernel = self.saved
+        _compile_scope.running.pop()
         return False
 
 
@@ -232,6 +240,11 @@ class Engine:
         self._one_at_a_time = config.num_shards > 1 and config.mesh.devices.flat[0].platform == "cpu"
         self.compiles: collections.Counter = collections.Counter()  # kernel name -> XLA compilations
         self.dispatches: collections.Counter = collections.Counter()  # kernel name -> calls (status reads apart)
+        self._scopes: dict[str, CompileScope] = {}  # kernel name -> its compile scope (``counting``)
+        # item counts of staged blocks as device scalars, made once each: a NumPy scalar argument costs each kernel
+        # call a transfer of its own (~4 us on XLA:CPU), and a loop ingests the same few counts over and over
+        self._counts: dict[int, jax.Array] = {}
+        self._count_sharding = NamedSharding(config.mesh, P())
         # (step, update rows, (staged rows, host-packed) or None, recycles) -> (compiled kernel, its name)
         self._kernels: dict[tuple, Any] = {} if kernels is None else kernels
         self.beside = KernelCache()  # kernels other modules build over this engine's state (checkpoint.py)
@@ -362,7 +375,7 @@ class Engine:
         if write and waiting and self._step_options.get(step_name, _BUILT_IN_STEP)[3]:
             self._dispatch("")  # a step that scatters into the index: the rows in a kernel of their own first
         storage_large, rest_large, small = self._live_form
-        updates = self._take_updates()
+        updates = self._take_updates() if self.pending else None
         args: list = [] if recycle is None else [recycle]
         if updates is not None:
             args.append(updates)
@@ -371,16 +384,16 @@ class Engine:
         if write and block is not None:
             batch, n = block
             staged = (jax.tree_util.tree_leaves(batch)[0].shape[0], False)
-            args += [batch, np.int32(n)]
+            args += [batch, self._count(n)]
         elif device_rows is not None:
             packed_rows, n = device_rows
             staged = (packed_rows.shape[0], True)
-            args += [packed_rows, np.int32(n)]
+            args += [packed_rows, self._count(n)]
         elif write and self.staging.count:
             rows = staged_rows(self.staging.count, self.config.num_shards, self.config.shard_capacity)
             packed_rows, n = self.staging.block(rows)
             staged = (rows, True)
-            args += [packed_rows, np.int32(n)]
+            args += [packed_rows, self._count(n)]
         key = (step_name, 0 if updates is None else updates.shape[0], staged, recycle is not None)
         built = self._kernels.get(key)
         kernel, name = built if built is not None else (self._kernel(*key), self._kernel_name(*key))
@@ -405,6 +418,16 @@ class Engine:
             if mirror is not None:
                 mirror["deliverable"] = reported
         return outputs
+
+    def _count(self, n: int) -> jax.Array:
+        """``n`` as the int32 device scalar a staged block's kernel takes (kept for the first ``MAX_KEPT_COUNTS``
+        counts seen; later ones are placed per call, so every call passes the same kind of argument)."""
+        count = self._counts.get(n)
+        if count is None:
+            count = jax.device_put(np.int32(n), self._count_sharding)
+            if len(self._counts) < MAX_KEPT_COUNTS:
+                self._counts[n] = count
+        return count
 
     def flush(self) -> None:
         """Apply the pending updates and write the staged rows (nothing when there are none; see ``_dispatch``)."""
@@ -470,7 +493,11 @@ class Engine:
         return jax.block_until_ready(outputs) if self._one_at_a_time else outputs
 
     def counting(self, kernel: str) -> CompileScope:
-        return CompileScope(self.compiles, kernel)
+        """The scope that counts ``kernel``'s compilations (one per kernel, made on its first call)."""
+        scope = self._scopes.get(kernel)
+        if scope is None:
+            scope = self._scopes[kernel] = CompileScope(self.compiles, kernel)
+        return scope
 
     def compile_counts(self) -> dict[str, int]:
         """XLA compilations per kernel so far (counted from JAX's compile events); steady state adds none."""

@@ -247,8 +247,9 @@ class ExperienceDataPlane:
             self._schedule.apply_due()  # every deferred update due now is in (the priority staleness bound)
             self._wait_until(self._sample_refusal, timeout)
             self._check_recycle(recycle, "sample()")
-            with self.timeline.span("sample"):
-                delivery = self.engine.sample(recycle)
+            start = time.perf_counter()
+            delivery = self.engine.sample(recycle)
+            self.timeline.record("sample", start, time.perf_counter())
             self._changed.notify_all()
         return delivery
 

@@ -58,7 +58,7 @@ class StagingArea:
     def block(self, rows: int) -> tuple[np.ndarray, int]:
         """The waiting rows as a kernel's argument: the area's first ``rows`` rows (padding included) in the ring's
         element type, and the item count. They stay staged until ``given`` (a kernel that raised took nothing)."""
-        return self.layout.to_ring(self._area.array[:rows]), self.count
+        return self._area.ring[:rows], self.count
 
     def given(self, finished) -> None:
         """A kernel that writes the waiting rows has been dispatched: the area is empty again, and the host array

@@ -227,6 +227,7 @@ class HostRows:
 
     def __init__(self, layout: RowLayout, array: np.ndarray):
         self.layout, self.array = layout, array
+        self.ring = layout.to_ring(array)  # the same bytes in the ring's element type, as a kernel takes them
         self.block_rows = max(1, PACK_BLOCK_BYTES // layout.row_bytes)
         rows, raw = array.shape[0], array.view(np.uint8)
         self.leaves, self.padding = [], []
@@ -264,8 +265,8 @@ class HostRows:
         Rows are written in blocks of ``PACK_BLOCK_BYTES``, every leaf of a block before the next: leaf by leaf
         over a large batch, each leaf's strided writes fetched every row again from L3 or DRAM."""
         step = self.block_rows
-        for low in range(0, count, step):
-            high = min(count, low + step)
+        blocks = ((0, count),) if count <= step else [(low, min(count, low + step)) for low in range(0, count, step)]
+        for low, high in blocks:
             for view, leaf in zip(self.leaves, leaves):
                 if view is not None:
                     # a device array is read to the host whole (JAX keeps that copy): slicing it first would be a

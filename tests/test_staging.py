@@ -138,6 +138,25 @@ def test_an_ingest_is_a_copy_and_the_next_draw_writes_it(mesh):
     assert sorted(np.asarray(delivery.data["g"]).tolist()) == list(range(32))
 
 
+def test_item_counts_past_the_kept_ones_are_written_alike_and_compile_nothing_new(mesh, monkeypatch):
+    """A staged block's item count goes to its kernel as a device scalar, kept for the first counts seen; a count
+    past them is placed per call as the same kind of argument, so it writes the same items and compiles nothing."""
+    monkeypatch.setattr(engine, "MAX_KEPT_COUNTS", 1)
+    plane = ExperienceDataPlane(SPEC, 64, samplers.fifo(8), mesh=mesh)
+    queue, start, compiled = [], 0, None
+    for cycle in range(2):
+        for count in (9, 10, 8):  # one block per draw: 9 is kept, 10 (a block of as many rows) and 8 placed per call
+            plane.ingest(batch(start, count))
+            queue += range(start, start + count)
+            start += count
+            assert sorted(np.asarray(plane.sample().data["g"]).tolist()) == queue[:8]
+            del queue[:8]
+        if cycle == 0:
+            compiled = plane.compile_counts()
+            assert set(compiled.values()) == {1}, compiled  # a kept count and a placed one share a kernel
+    assert plane.compile_counts() == compiled
+
+
 def test_a_device_batch_is_packed_by_a_kernel_of_its_own_and_written_by_the_next_draw(mesh):
     """A device batch on the plane's mesh, staged: one small kernel packs its rows (without the state) and the next
     draw writes them, in ingest order between host batches; the plane's copy is its own, so the caller may donate
