@@ -61,10 +61,11 @@ class LeafBundle:
     A leaf is small when its elements are 4 bytes wide, it has at most ``SMALL_LEAF_ELEMENTS`` of them, and its
     sharding is replicated in the mesh's default memory, so the vector can carry it without changing where it lives.
     ``shardings``: the tree's shardings (``NamedSharding`` leaves); ``abstract``: its shapes and dtypes (e.g. from
-    ``jax.eval_shape``).
+    ``jax.eval_shape``); ``small_elements``: the most elements a small leaf has (a state with tables of a few KB,
+    which every kernel then copies whole, may bundle them too: cheaper than an array each).
     """
 
-    def __init__(self, abstract, shardings):
+    def __init__(self, abstract, shardings, small_elements: int = SMALL_LEAF_ELEMENTS):
         leaves, self.treedef = jax.tree_util.tree_flatten(abstract)
         self.shardings = shardings
         sharding_leaves = self.treedef.flatten_up_to(shardings)
@@ -72,7 +73,7 @@ class LeafBundle:
         default_kind = mesh.devices.flat[0].default_memory().kind
         self.small_sharding = NamedSharding(mesh, PartitionSpec(), memory_kind=default_kind)
         self._explicit = jax.sharding.AxisType.Explicit in tuple(mesh.axis_types)
-        self.is_small = tuple(np.dtype(leaf.dtype).itemsize == 4 and int(np.prod(leaf.shape)) <= SMALL_LEAF_ELEMENTS
+        self.is_small = tuple(np.dtype(leaf.dtype).itemsize == 4 and int(np.prod(leaf.shape)) <= small_elements
                               and sharding.is_fully_replicated and sharding.memory_kind in (None, default_kind)
                               for leaf, sharding in zip(leaves, sharding_leaves))
         small_shardings = tuple(s for s, small in zip(sharding_leaves, self.is_small) if small)

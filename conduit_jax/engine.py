@@ -760,6 +760,9 @@ class Engine:
             raise SpecError(f"{where}: {name} must be placed as this plane's batches, {sharding}; got {leaf.sharding}")
 
 
+ROLLOUT_SMALL_ELEMENTS = 4096  # a rollout state's group tables and counters up to this size cross a kernel bundled
+
+
 class RolloutEngine:
     """Compiled kernels over a rollout buffer's state (``conduit_jax.rollouts``), and the groups staged on the host
     that the next kernel writes first.
@@ -768,11 +771,17 @@ class RolloutEngine:
     ``deliver(plan, version)``: one kernel writes the staged groups, sets the policy version and lays the batch out,
     in one dispatch. ``flush`` writes staged groups alone. There is one kernel per number of groups staged at once
     (the staged groups padded to a power of two: a few variants however a producer's ingests fall between draws).
+
+    Each array a kernel takes or returns costs its XLA:CPU dispatch a few microseconds (a 30-in, 30-out kernel that
+    computes nothing took 82 us here), so the state crosses as its token rings and live flags plus one vector of its
+    group tables and counters (``LeafBundle``: 4 arrays, not 17), and the host's arguments as one array of the staged
+    groups' per-sequence values and one of the plan and policy version beside the token leaves.
     Not thread-safe: the caller serialises calls."""
 
     def __init__(self, buffer: "rollouts.RolloutBuffer", state=None):
         self.buffer = buffer
         self.state_types = StateTypes.of_init(buffer.init)  # what a state of this buffer looks like
+        self.bundle = LeafBundle(jax.eval_shape(buffer.init), buffer.shardings, ROLLOUT_SMALL_ELEMENTS)
         self.state = buffer.init() if state is None else state
         self.staged: list = []  # rollouts.Groups of host arrays, in call order
         self.compiles: collections.Counter = collections.Counter()  # kernel name -> XLA compilations
@@ -782,11 +791,14 @@ class RolloutEngine:
 
     @property
     def state(self) -> "rollouts.RolloutState":
-        return self._state
+        """The state as one pytree, joined from the kernels' form once after each kernel."""
+        if self._tree is None:
+            self._tree = self.bundle.to_tree(*self._form)
+        return self._tree
 
     @state.setter
     def state(self, state: "rollouts.RolloutState") -> None:
-        self._state = state
+        self._form, self._tree = self.bundle.from_tree(state), state  # the large leaves are shared
         self.version = int(state.policy_version)  # the policy version the state holds (flush writes a newer one)
 
     def staged_groups(self) -> int:
@@ -795,21 +807,25 @@ class RolloutEngine:
     def _kernel(self, name: str, staged: int, rows: Optional[int]):
         key = (name, staged, rows)
         if key not in self._kernels:
-            buffer = self.buffer
+            buffer, bundle = self.buffer, self.bundle
+            config = buffer.config
 
-            def step(state, groups, version, *plan):
-                if groups is not None:
-                    state = buffer.ingest(state, groups)
+            def step(large, small, tokens, table, scalars):
+                state = bundle.join(large, small)
+                if staged:
+                    state = buffer.ingest(state, _groups_from_table(config.spec, tokens, table))
+                version, plan = _plan_from_scalars(config, scalars) if name == "deliver" else (scalars[0], None)
                 state = buffer.set_policy_version(state, version)
-                return buffer.deliver(state, *plan, rows=rows) if name == "deliver" else (state, None)
+                state, out = buffer.deliver(state, plan, rows=rows) if name == "deliver" else (state, None)
+                return (*bundle.split(state), out)
 
-            self._kernels[key] = jax.jit(step, donate_argnums=0)
+            self._kernels[key] = jax.jit(step, donate_argnums=(0, 1))
         return self._kernels[key]
 
-    def _dispatch(self, name: str, version: int, *plan, rows: Optional[int] = None):
+    def _dispatch(self, name: str, version: int, plan=None, rows: Optional[int] = None):
         staged, self.staged = self.staged, []
         count = sum(g.lengths.shape[0] for g in staged)
-        groups = None
+        tokens, table = (), None
         if staged:
             # padded to the next power of two with absent groups (all lengths 0: written nowhere), so however many
             # groups a producer thread staged before a draw, few kernels are compiled
@@ -820,13 +836,14 @@ class RolloutEngine:
                 np.concatenate(values, out=out[:sum(v.shape[0] for v in values)])
                 return out
 
-            groups = rollouts.Groups({leaf: padded([g.leaves[leaf] for g in staged]) for leaf in staged[0].leaves},
-                                     *(padded([getattr(g, field) for g in staged])
-                                       for field in rollouts.Groups._fields[1:]))
+            tokens = tuple(padded([g.leaves[leaf] for g in staged]) for leaf in self.buffer.spec.token_leaves)
+            table = padded([_group_table(g) for g in staged])
+        scalars = np.int32([version]) if plan is None else _plan_scalars(plan, version)
         kernel_name = f"{'staged+' if count else ''}{name}"
         self.dispatches[kernel_name] += 1
         with CompileScope(self.compiles, kernel_name):
-            self._state, out = self._kernel(name, count, rows)(self._state, groups, np.int32(version), *plan)
+            large, small, out = self._kernel(name, count, rows)(*self._form, tokens, table, scalars)
+        self._form, self._tree = (large, small), None
         self.version = version
         return out
 
@@ -841,6 +858,39 @@ class RolloutEngine:
         ``version`` already)."""
         if self.staged or version != self.version:
             self._dispatch("flush", version)
+
+
+def _group_table(groups: "rollouts.Groups") -> np.ndarray:
+    """int32[k, 3G + 1]: each group's lengths, prompt lengths, rewards (float32 bits) and policy version, the way
+    ``rollouts.ingest`` casts them, as one kernel argument (``_groups_from_table`` reads it back)."""
+    return np.concatenate([np.asarray(groups.lengths, np.int32), np.asarray(groups.prompt_lengths, np.int32),
+                           np.asarray(groups.rewards, np.float32).view(np.int32),
+                           np.asarray(groups.policy_version, np.int32)[:, None]], axis=1)
+
+
+def _groups_from_table(spec: "rollouts.RolloutSpec", tokens: tuple, table) -> "rollouts.Groups":
+    size = spec.group_size
+    return rollouts.Groups(dict(zip(spec.token_leaves, tokens)), table[:, :size],
+                           lax.bitcast_convert_type(table[:, 2 * size:3 * size], jnp.float32),
+                           table[:, size:2 * size], table[:, 3 * size])
+
+
+def _plan_scalars(plan: "rollouts.BatchPlan", version: int) -> np.ndarray:
+    """int32[]: the policy version, then every field of ``plan`` flattened in order, as one kernel argument."""
+    return np.concatenate([np.int32([version])] + [np.asarray(field, np.int32).reshape(-1) for field in plan])
+
+
+def _plan_from_scalars(config: "rollouts.RolloutConfig", scalars):
+    """``(version, plan)`` from ``_plan_scalars``' vector, in the plan's shapes and dtypes."""
+    batch, size = config.groups_per_batch, config.spec.group_size
+    shapes = ((batch,), (batch,), (batch, size), (batch, size), (), ())
+    fields, at = [], 1
+    for shape in shapes:
+        count = int(np.prod(shape, dtype=np.int64))
+        fields.append(scalars[at:at + count].reshape(shape))
+        at += count
+    fields[1] = fields[1].astype(bool)  # taken
+    return scalars[0], rollouts.BatchPlan(*fields)
 
 
 # (writes, donates, keeps_status, rows_apart) of the engine's own steps ("", sample, version)
