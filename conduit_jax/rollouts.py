@@ -572,19 +572,19 @@ def _deliver(static: RolloutConfig, state: RolloutState, plan: BatchPlan, rows: 
     if static.scale_advantages:
         advantages = advantages / (jnp.std(rewards, axis=1, keepdims=True, ddof=1) + ADVANTAGE_EPS)
     advantages = advantages.reshape(-1)
-    # each position of the flat [rows * T] layout reads its token: sequence s starts at flat position
-    # row * T + column, so a position belongs to the latest sequence started at or before it (a running maximum of
-    # the start markers), as its step t = position - start while t < its length (sequences never share positions).
-    # Laid out by gathers: XLA:CPU scatters element by element, which cost this kernel several times as much
+    # one scatter finds each position's sequence (its index + 1, 0 on padding: sequence s covers flat positions
+    # row * T + column + t for t < its length); every field is then a gather through it. XLA:CPU pays per element
+    # scattered, and a scatter per field cost several times this (as did a running maximum over start markers)
     size = rows * row_length
+    steps = jnp.arange(spec.max_length, dtype=jnp.int32)
     first = row.reshape(-1) * row_length + column.reshape(-1)  # [n] each sequence's first flat position
     sequence = jnp.arange(lengths.shape[0], dtype=jnp.int32)
-    position = jnp.arange(size, dtype=jnp.int32)
-    marker = jnp.full((size,), -1, jnp.int32).at[jnp.where(lengths > 0, first, size)].set(sequence, mode="drop")
-    latest = lax.cummax(jnp.where(marker >= 0, position, -1), axis=0)
-    owner = jnp.where(latest >= 0, marker[jnp.maximum(latest, 0)], 0)
-    step = position - first[owner]
-    inside = (latest >= 0) & (step < lengths[owner])
+    target = jnp.where(steps[None, :] < lengths[:, None], first[:, None] + steps, size).reshape(-1)
+    segment = jnp.zeros((size,), jnp.int32).at[target].set(
+        jnp.broadcast_to(sequence[:, None] + 1, (lengths.shape[0], spec.max_length)).reshape(-1), mode="drop")
+    inside = segment > 0
+    owner = jnp.maximum(segment - 1, 0)
+    step = jnp.arange(size, dtype=jnp.int32) - first[owner]
     source = jnp.clip(starts[owner] + step, 0, static.token_capacity - 1)
 
     def lay(values):
@@ -592,7 +592,7 @@ def _deliver(static: RolloutConfig, state: RolloutState, plan: BatchPlan, rows: 
 
     out = RolloutBatch(
         leaves={name: lay(ring[source]) for name, ring in state.leaves.items()},
-        segment_ids=lay(owner + 1),
+        segment_ids=segment.reshape(rows, row_length),
         positions=lay(step),
         loss_mask=lay(step >= prompts[owner]),
         advantages=lay(advantages[owner]),
