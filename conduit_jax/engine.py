@@ -786,7 +786,7 @@ class RolloutEngine:
         self.staged: list = []  # rollouts.Groups of host arrays, in call order
         self.compiles: collections.Counter = collections.Counter()  # kernel name -> XLA compilations
         self.dispatches: collections.Counter = collections.Counter()  # kernel name -> calls
-        self._kernels: dict[tuple[str, int], Any] = {}
+        self._kernels: dict[tuple[str, int, Optional[int]], Any] = {}  # (name, staged groups, rows) -> kernel
         self.beside = KernelCache()  # kernels other modules build over this engine's state (rollout_checkpoint.py)
 
     @property

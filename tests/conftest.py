@@ -234,8 +234,8 @@ FILE_SECONDS = {
     "test_rllib_multi_agent": 52, "test_staging": 44, "test_schedule": 36, "test_distributed": 34,
     "test_kernel_hlo": 28, "test_plane": 28, "test_reliability": 26, "test_rollouts": 24, "test_prioritized": 22,
     "test_delivery": 22, "test_learners": 21, "test_benchmarks_smoke": 21, "test_samplers": 19, "test_sumtree": 18,
-    "test_sequences": 18, "test_storage": 18, "test_rollout_plane": 8, "test_demo": 15, "test_jitted_learners": 14,
-    "test_multihost": 11, "test_runtime": 9, "test_rollout_checkpoint": 6, "test_limits": 5,
+    "test_sequences": 18, "test_storage": 18, "test_demo": 15, "test_jitted_learners": 14,
+    "test_multihost": 11, "test_runtime": 9, "test_rollout_plane": 8, "test_rollout_checkpoint": 6, "test_limits": 5,
 }
 
 
