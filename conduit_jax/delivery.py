@@ -37,6 +37,7 @@ from typing import Callable, Optional
 import jax
 import numpy as np
 
+from conduit_jax import schedule as schedule_lib
 from conduit_jax.errors import ConfigError, PriorityError
 from conduit_jax.spec import checked_priority_update
 
@@ -178,13 +179,13 @@ class DeliveryWorker:
 
 class Prefetched:
     """A batch the schedule dispatched ahead: the ``Delivery``, the plane's policy-version epoch when it was drawn
-    (delivered from a later epoch, it is re-checked for staleness), whether it is known to be computed, and its
-    leaves once the worker has listed them."""
+    (delivered from a later epoch, it is re-checked for staleness), whether it is known to be computed, its leaves
+    once the worker has listed them, and the request it was drawn for (``Scheduler.deliver(request=)``)."""
 
-    __slots__ = ("delivery", "epoch", "ready", "leaves")
+    __slots__ = ("delivery", "epoch", "ready", "leaves", "request")
 
-    def __init__(self, delivery, epoch: int, ready: bool = False):
-        self.delivery, self.epoch, self.ready, self.leaves = delivery, epoch, ready, None
+    def __init__(self, delivery, epoch: int, ready: bool = False, request=None):
+        self.delivery, self.epoch, self.ready, self.leaves, self.request = delivery, epoch, ready, None, request
 
     def wait(self) -> Callable[[], None]:
         """Block until the batch is computed (without the plane's lock); returns what marks it ready (under it). A
@@ -244,18 +245,40 @@ class DeferredUpdates:
 class Scheduler:
     """A schedule carried out for one plane: its batches in flight, deferred updates, step count and prefetch depth,
     and the worker when the schedule prefetches. Every method is called holding ``lock`` (the plane's), except
-    ``deliver`` and ``report_update``, which take it.
+    ``deliver``, ``report_update`` and ``updated``, which take it.
 
     The plane's side comes as callables that reach it through a weak reference (so the worker's thread keeps no
     plane alive): ``draw(recycle=, timeout=)`` dispatches one batch (``plane.sample``), ``admits()`` tells whether
     the plane would deliver one now without waiting, ``pend(checked)`` queues checked priority updates for the next
     kernel, ``refresh(delivery)`` re-checks a delivery's staleness mask against the current policy version. Each
-    deliver() goes into ``timeline`` (the plane's) when the worker next runs, or at ``settle`` / ``close``.
+    deliver() goes into ``timeline`` (the plane's; None: no record) when the worker next runs, or at ``settle`` /
+    ``close``.
+
+    ``threaded=False``: no worker, for a caller that asks for one batch at a time on its own thread (RLlib's buffer
+    contract, ``adapters/conduit_rllib``). A prefetching schedule then dispatches its batches ahead on the caller's
+    thread, and JAX's asynchronous dispatch computes them while the caller goes on: right after a ``deliver()``, or,
+    with ``updates`` (the caller reports priority updates) and ``defer`` 0, right after the caller's update
+    (``updated()``), so the batch sees it; ``adaptive`` moves between the two by ``schedule.draws_after_update``. A
+    batch may be drawn for a request (``deliver(request=)``; ``draw`` is then called with ``request=`` too): it is
+    handed over only to a deliver() of an equal request, else dropped and drawn anew. ``discard`` drops batches in
+    flight that may no longer be handed over (e.g. holding an item evicted since). ``counts`` says how many batches
+    were drawn ahead each way, how many a deliver() had to wait for and how many were dropped.
     """
 
-    def __init__(self, schedule, lock: threading.RLock, capacity: int, timeline, *, draw, admits, pend, refresh):
+    def __init__(self, schedule, lock: threading.RLock, capacity: int, timeline, *, draw, admits, pend, refresh,
+                 threaded: bool = True, updates: bool = True):
         self.schedule, self.lock, self.timeline = schedule, lock, timeline
         self._draw, self._admits, self._pend, self._refresh = draw, admits, pend, refresh
+        self.inline = not threaded  # every batch drawn on the caller's thread (deliver(), updated())
+        # inline: whether the next batch is drawn ahead after the caller's update (overlap; adaptive to begin with,
+        # then schedule.draws_after_update) or after the delivery, and how many were drawn after it in a row
+        self.after_update, self._run = updates and (schedule.adaptive or not schedule.defer), 0
+        self._updates = updates
+        self._update_s = 0.0  # inline: smoothed seconds from a deliver() returning to the caller's update
+        self._handed_at: Optional[float] = None
+        self._kept_error: Optional[BaseException] = None  # inline: a deferred update rejected at a refill
+        self.request = None  # the last deliver()'s request (inline refills draw for it)
+        self.counts = {"after_update": 0, "after_delivery": 0, "waited": 0, "dropped": 0}
         self.in_flight: collections.deque = collections.deque()  # Prefetched, oldest first
         self.deferred = DeferredUpdates(schedule.defer, capacity) if schedule.defer else None
         self.depth = schedule.depth  # current prefetch depth (moves under the adaptive policy)
@@ -270,7 +293,8 @@ class Scheduler:
         # (start, end, thread) of each deliver() not yet in the timeline: the worker records them off the learner's
         # thread, as the learner's thread's spans
         self._handed_over: collections.deque = collections.deque()
-        self.worker = DeliveryWorker(lock, self.poll, "conduit-delivery", self.wake_at) if schedule.depth else None
+        self.worker = DeliveryWorker(lock, self.poll, "conduit-delivery", self.wake_at) if (
+            schedule.depth and threaded) else None
 
     # -- the plane's hooks ----------------------------------------------------------------------------------------
     def ingested(self) -> Optional[Callable[[], Callable[[], None]]]:
@@ -362,14 +386,16 @@ class Scheduler:
             raise rejected
 
     # -- delivery ---------------------------------------------------------------------------------------------------
-    def deliver(self, timeout: Optional[float], recycle, check_recycle):
+    def deliver(self, timeout: Optional[float], recycle, check_recycle, request=None):
         """``plane.deliver()``: hand over the oldest batch in flight (drawn here when there is none), computed.
 
         When the worker keeps up, the batch is computed and of the current policy version, and this is one pass
         under the lock: a pop, the step, and a kick that the napping worker needs no wake-up for. The timeline and
         the adaptive policy's averages are brought up to date by the worker, off this thread: between the learner's
         steps every call here runs with cold caches (the step and the loop's own work evict them), at several times
-        its usual cost."""
+        its usual cost. ``request``: see the class docstring (``threaded=False`` only)."""
+        if self.inline:
+            return self._deliver_inline(timeout, request)
         start = time.perf_counter()
         worker = self.worker
         with self.lock:
@@ -400,6 +426,92 @@ class Scheduler:
         with self.lock:
             return self._hand_over(delivery, batch, start)
 
+    def _deliver_inline(self, timeout: Optional[float], request):
+        """``deliver()`` without a worker (``threaded=False``): the batch drawn ahead for ``request``, waited for (or
+        drawn now, not waited for: the caller reads it); then, where the schedule draws after a delivery, the next one
+        dispatched."""
+        start = time.perf_counter()
+        with self.lock:
+            error, self._kept_error = self._kept_error, None
+            if error is not None:
+                raise error
+            self._keep_only(request)
+            drawn_ahead = bool(self.in_flight)
+            batch = self.in_flight.popleft() if drawn_ahead else Prefetched(self._dispatch(timeout=timeout),
+                                                                            self.epoch, request=request)
+            self.step += 1
+            self.depth = self.schedule.next_depth(self.depth, self._smoothed["exposed"], self._smoothed["learner"])
+        waited = 0.0
+        if drawn_ahead and not all(leaf.is_ready() for leaf in jax.tree_util.tree_leaves(batch.delivery)
+                                   if isinstance(leaf, jax.Array)):
+            begin = time.perf_counter()
+            jax.block_until_ready(batch.delivery)
+            waited = time.perf_counter() - begin
+            self.counts["waited"] += 1
+        delivery = batch.delivery if batch.epoch == self.epoch else self._refresh(batch.delivery)
+        with self.lock:
+            if drawn_ahead and self._updates and self.schedule.adaptive and self.schedule.defer:
+                self.after_update = schedule_lib.draws_after_update(self.after_update, waited, self._update_s,
+                                                                    self._run)
+            self._run = 0 if self.after_update else self._run + 1
+            if not self.after_update:
+                self._refill("after_delivery")
+            delivery = self._hand_over(delivery, batch, start)
+            self._handed_at = time.perf_counter()
+            return delivery
+
+    def updated(self) -> None:
+        """The caller reported a priority update (queued for the next kernel, or with ``report_update``). Without a
+        worker, where the schedule draws after the update, the next batch is dispatched now, after every update
+        reported so far: it sees them (sooner than a ``defer`` bound asks)."""
+        with self.lock:
+            if self._handed_at is not None:
+                gap, self._handed_at = time.perf_counter() - self._handed_at, None
+                self._update_s = 0.9 * self._update_s + 0.1 * gap if self._update_s else gap
+            if self.draws_on_update:
+                self._refill("after_update", everything=True)
+
+    @property
+    def draws_on_update(self) -> bool:
+        """Whether ``updated()`` dispatches the next batch now (no worker, the schedule drawing after updates and
+        wanting one more in flight, a request known)."""
+        return self.inline and self.after_update and self.request is not None and len(self.in_flight) < self.depth
+
+    def discard(self, unwanted: Callable[[object], bool]) -> int:
+        """Drop the batches in flight for which ``unwanted(delivery)`` is true: they are never handed over (e.g. a
+        batch holding an item evicted since it was drawn). Returns how many were dropped."""
+        with self.lock:
+            return self._drop(lambda batch: unwanted(batch.delivery))
+
+    def _keep_only(self, request) -> None:
+        """Drop the batches in flight drawn for another request than ``request``; it is the one drawn for next."""
+        self.request = request
+        self._drop(lambda batch: batch.request != request)
+
+    def _drop(self, unwanted: Callable[[Prefetched], bool]) -> int:
+        kept = [batch for batch in self.in_flight if not unwanted(batch)]
+        dropped = len(self.in_flight) - len(kept)
+        if dropped:
+            self.in_flight = collections.deque(kept)
+            self.counts["dropped"] += dropped
+        return dropped
+
+    def _dispatch(self, **kwargs):
+        """``draw`` for the current request (none: the plane's draws take none)."""
+        return self._draw(**kwargs) if self.request is None else self._draw(request=self.request, **kwargs)
+
+    def _refill(self, way: str, everything: bool = False) -> None:
+        """Inline: the due deferred updates queued (all reported ones with ``everything``), then batches drawn
+        ahead while the schedule wants more and the plane admits them; counted as drawn ``way``. A rejected
+        deferred update is raised by the next ``deliver()`` (the valid ones still apply)."""
+        try:
+            self.apply_due(everything)
+        except PriorityError as error:
+            self._kept_error = error
+        while len(self.in_flight) < self.depth and self._admits():
+            self.in_flight.append(Prefetched(self._dispatch(), self.epoch, request=self.request))
+            self.counts[way] += 1
+
     def _hand_over(self, delivery, batch: Prefetched, start: float):
         """The end of a deliver() (under the lock): note what it returns and when, and let the worker refill."""
         self.last_delivered = delivery
@@ -419,14 +531,17 @@ class Scheduler:
         return min(0.1 * self._smoothed["learner"], REFILL_DELAY_MAX)
 
     def _record_handovers(self) -> None:
-        """Put the deliver() calls made since the last call into the timeline ("learner": from the end of one to
-        the start of the next; "exposed": each call) and the adaptive policy's averages. Under the lock."""
+        """Put the deliver() calls made since the last call into the timeline, if any ("learner": from the end of
+        one to the start of the next; "exposed": each call), and the adaptive policy's averages. Under the lock."""
+        timeline = self.timeline
         while self._handed_over:
             start, end, thread = self._handed_over.popleft()
             if self._last_end is not None:
-                self.timeline.record("learner", self._last_end, start, thread)
+                if timeline is not None:
+                    timeline.record("learner", self._last_end, start, thread)
                 self._smooth("learner", start - self._last_end)
-            self.timeline.record("exposed", start, end, thread)
+            if timeline is not None:
+                timeline.record("exposed", start, end, thread)
             self._smooth("exposed", end - start)
             self._last_end = end
 

@@ -23,6 +23,12 @@ A policy is data; the shell (``ExperienceDataPlane.deliver``) carries it out.
 * ``adaptive(max_depth, k)``: deferred whose depth follows the measured (smoothed) exposed wait and learner step
   time, within ``max_depth`` (``Schedule.next_depth``).
 
+Without a worker (``delivery.Scheduler(threaded=False)``: a caller that asks for one batch at a time on its own
+thread, such as RLlib's replay buffers in ``adapters/conduit_rllib``), the same policies draw their batches ahead on
+the caller's thread and let JAX's asynchronous dispatch compute them: ``overlap`` right after the caller's priority
+update (the batch sees it), ``deferred`` right after the delivery (it misses that update, within k), ``adaptive``
+moving between the two (``draws_after_update``).
+
 Semantics every policy keeps: the rate limiter sees a prefetched batch when it is dispatched (so the
 samples-per-insert ratio counts it); a FIFO dispatches each item exactly once (prefetch moves the queue head once per
 batch); on a policy-version switch the in-flight batches are re-checked against the new version, so an on-policy
@@ -72,6 +78,25 @@ class Schedule(NamedTuple):
         if exposed_s < 0.01 * learner_s:
             return max(1, depth - 1)
         return depth
+
+
+ADAPTIVE_WAIT_SHARE = 0.1  # adaptive, no worker: a draw moves off the update once deliver() waits this share
+ADAPTIVE_RETRY_AFTER = 32  # adaptive, no worker: batches drawn right after their delivery before trying again
+
+
+def draws_after_update(after_update: bool, waited_s: float, update_s: float, run: int) -> bool:
+    """``adaptive``'s rule (k >= 1) for a scheduler without a worker (``delivery.Scheduler(threaded=False)``), which
+    draws its next batch ahead on the caller's thread: right after the caller's priority update (True: the batch sees
+    it, as under sync; where an adaptive schedule starts) or right after the delivery (False: it computes while the
+    learner computes the update, and misses it, within the bound k). After the update while ``deliver()`` does not
+    wait for that batch noticeably (``waited_s`` at most ``ADAPTIVE_WAIT_SHARE`` of ``update_s``, the smoothed time
+    from a delivery to its update); after the delivery once it does (when the caller updates and samples back to
+    back, nothing separates an update from the next ``deliver()``, so a draw after the update cannot finish in time);
+    after the update again once ``run`` batches in a row were drawn after their delivery (``ADAPTIVE_RETRY_AFTER``),
+    in case the gap has grown. ``overlap`` (k 0) always draws after the update, ``deferred`` after the delivery."""
+    if after_update:
+        return waited_s <= ADAPTIVE_WAIT_SHARE * update_s
+    return run >= ADAPTIVE_RETRY_AFTER
 
 
 def _positive(value, name: str, where: str, low: int = 1) -> int:

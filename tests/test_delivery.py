@@ -9,11 +9,13 @@ import sys
 import threading
 import time
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conduit_jax import ExperienceDataPlane, ExperienceSpec, PriorityError, default_mesh, limits, samplers
+from conduit_jax import ExperienceDataPlane, ExperienceSpec, PriorityError, default_mesh, limits, metrics, samplers
 from conduit_jax import schedule as schedule_lib
+from conduit_jax.delivery import Scheduler
 
 SPEC = ExperienceSpec.from_example({"x": np.int32(0)})
 
@@ -232,3 +234,62 @@ def test_a_mix_of_sample_and_deliver_keeps_fifo_exactly_once_and_epochs_once_per
     finally:
         queue.close()
         epochs.close()
+
+
+class _Caller:
+    """The caller's side of a ``Scheduler(threaded=False)``: each draw is a numbered device scalar, noted with its
+    request; updates are noted as they reach the kernel queue (``pend``)."""
+
+    def __init__(self, policy, updates: bool):
+        self.events = []  # ("draw", number, request) / ("pend", ids)
+        self.scheduler = Scheduler(policy, threading.RLock(), 64, metrics.Timeline(), draw=self.draw,
+                                   admits=lambda: True, pend=self.pend, refresh=lambda delivery: delivery,
+                                   threaded=False, updates=updates)
+
+    def draw(self, request=None, timeout=None, recycle=None):
+        self.events.append(("draw", len(self.events), request))
+        return jnp.asarray(len(self.events) - 1)
+
+    def pend(self, checked):
+        self.events.append(("pend", checked[0][:, 0].tolist()))
+
+    def deliver(self, request):
+        return int(self.scheduler.deliver(None, None, None, request=request))
+
+
+def test_without_a_worker_a_batch_drawn_ahead_goes_only_to_its_request():
+    """Drawn right after each deliver() (no updates reported) on the caller's thread, for that deliver()'s request;
+    handed over to the next deliver() of the same request, dropped for another one (drawn anew), or by discard()."""
+    caller = _Caller(schedule_lib.overlap(1), updates=False)
+    scheduler = caller.scheduler
+    assert scheduler.worker is None and scheduler.inline
+    assert caller.deliver("a") == 0  # nothing ahead: drawn now, then the next one ahead
+    assert [e[2] for e in caller.events] == ["a", "a"]
+    assert caller.deliver("a") == 1
+    assert caller.deliver("b") == 3  # batch 2 was drawn for "a": dropped
+    assert scheduler.discard(lambda batch: int(batch) == 4) == 1  # the one ahead for "b"
+    assert caller.deliver("b") == 5
+    assert scheduler.counts == {"after_update": 0, "after_delivery": 4, "waited": 0, "dropped": 2}
+
+
+@pytest.mark.parametrize("name", ["overlap", "deferred"])
+def test_without_a_worker_the_batch_ahead_is_drawn_after_the_update_or_the_delivery(name):
+    """overlap (k 0): the next batch is drawn when the caller reports its update, after it (it sees it); deferred
+    (k 1): right after the delivery, before that update, which the draw after the next delivery applies first."""
+    policy = schedule_lib.overlap(1) if name == "overlap" else schedule_lib.deferred(1, 1)
+    caller = _Caller(policy, updates=True)
+    scheduler, ids = caller.scheduler, np.array([[3, 1]], np.int32)
+    for step in range(3):
+        caller.deliver("r")
+        if name == "overlap":
+            caller.pend((ids + step, None))  # the caller queues a k-0 update itself
+        else:
+            scheduler.report_update(ids + step, np.ones(1, np.float32))
+        scheduler.updated()
+    kinds = [e[0] if e[0] == "draw" else f"pend {e[1][0]}" for e in caller.events]
+    if name == "overlap":
+        assert kinds == ["draw", "pend 3", "draw", "pend 4", "draw", "pend 5", "draw"]
+    else:
+        assert kinds == ["draw", "draw", "pend 3", "draw", "pend 4", "draw"]  # update 5 is not due yet
+    way = "after_update" if name == "overlap" else "after_delivery"
+    assert scheduler.counts[way] == 3 and scheduler.counts["dropped"] == 0

@@ -357,20 +357,22 @@ def _unique_episodes(first, count, length=10):
 def test_scheduled_buffers_hand_over_batches_drawn_ahead_without_evicted_steps(schedule, monkeypatch):
     """A batch drawn ahead is handed over only to the same request, never holds a step evicted since it was drawn,
     and counts as sampled once, when it is handed over. Under overlap it is drawn after the priority update, so it
-    follows it at once; under deferred one batch later (the staleness bound k = 1). Adaptive follows its rule
-    (``adaptive_choice``) on how long ``sample()`` waited for the batch drawn ahead, which depends on thread timing;
-    here the rule is told the wait: 0 (it must stay on overlap), then 1 s, more than a tenth of any learner update of
-    this test (it must go deferred). In the first 60 calls every batch drawn ahead is dropped by the add() that
-    evicts an episode: the draws are stratified (one in each 16th of the priority mass), so each 10-step episode
-    holds one of them."""
+    follows it at once; under deferred one batch later (the staleness bound k = 1). Adaptive follows the core's rule
+    (``schedule.draws_after_update``) on how long ``sample()`` waited for the batch drawn ahead, which depends on
+    thread timing; here the rule is told the wait: 0 (it must stay on overlap), then 1 s, more than a tenth of any
+    learner update of this test (it must go deferred). In the first 60 calls every batch drawn ahead is dropped by
+    the add() that evicts an episode: the draws are stratified (one in each 16th of the priority mass), so each
+    10-step episode holds one of them."""
+    from conduit_jax import schedule as schedules
+
     told_wait, choices = [0.0], []
-    rule = conduit_rllib.buffers.adaptive_choice
+    rule = schedules.draws_after_update
 
-    def choose(current, waited, learner_s, deferred_batches):
-        choices.append(rule(current, told_wait[0], learner_s, deferred_batches))
-        return choices[-1]
+    def choose(after_update, waited, update_s, run):
+        choices.append("overlap" if rule(after_update, told_wait[0], update_s, run) else "deferred")
+        return choices[-1] == "overlap"
 
-    monkeypatch.setattr(conduit_rllib.buffers, "adaptive_choice", choose)
+    monkeypatch.setattr(schedules, "draws_after_update", choose)
     buffer = conduit_rllib.ConduitPrioritizedEpisodeReplayBuffer(capacity=100, alpha=1.0, schedule=schedule,
                                                                deliver="torch", seed=3)
     buffer.add(_unique_episodes(0, 10))
@@ -404,8 +406,9 @@ def test_scheduled_buffers_hand_over_batches_drawn_ahead_without_evicted_steps(s
         assert shares[0] > 0.5 and shares[1] > 0.5
     else:
         assert shares[0] < 0.5 < shares[1]
-    # adaptive: told 0 at the first batch handed over, then 1 s at the target's, the 100-step batch's and the shares'
-    assert choices == (["overlap", "deferred", "deferred", "deferred", "deferred"] if schedule == "adaptive" else [])
+    # adaptive: told 0 at the first batch handed over, then 1 s at the target's and the shares' (the batch drawn
+    # ahead for 16 steps is dropped unasked when 100 are asked for)
+    assert choices == (["overlap", "deferred", "deferred", "deferred"] if schedule == "adaptive" else [])
     stats = buffer.stats()
     assert 0 <= stats["drawn_ahead_waited"] <= stats["drawn_ahead_after_update"] + stats["drawn_ahead_after_sample"]
     with pytest.raises(ValueError, match="schedule must be one of"):
@@ -425,23 +428,14 @@ def test_schedule_key_takes_the_core_schedules_a_buffer_runs():
     assert buffer.schedule == "overlap"
 
 
-def test_adaptive_schedule_rule():
-    """Overlap while sample() waits at most 10% of a learner update for the batch drawn ahead; deferred once it
-    waits more; overlap tried again after 32 deferred batches."""
-    choose = conduit_rllib.buffers.adaptive_choice
-    assert choose("overlap", 0.0, 0.005, 0) == "overlap"
-    assert choose("overlap", 0.0004, 0.005, 0) == "overlap"
-    assert choose("overlap", 0.0006, 0.005, 0) == "deferred"
-    assert choose("deferred", 0.0, 0.005, 31) == "deferred"
-    assert choose("deferred", 0.0, 0.005, 32) == "overlap"
-
-
 def test_adaptive_schedule_follows_its_rule(monkeypatch):
-    """The buffer draws each next batch ahead where adaptive_choice says: after sample() (deferred) or after the
-    priority update (overlap), and hands it over to the next sample()."""
+    """The buffer draws each next batch ahead where the core's adaptive rule (``schedule.draws_after_update``) says:
+    after sample() (deferred) or after the priority update (overlap), and hands it over to the next sample()."""
+    from conduit_jax import schedule as schedules
+
     script = ["deferred", "overlap", "overlap", "deferred", "deferred", "overlap"]
     calls = iter(script)
-    monkeypatch.setattr(conduit_rllib.buffers, "adaptive_choice", lambda *args: next(calls))
+    monkeypatch.setattr(schedules, "draws_after_update", lambda *args: next(calls) == "overlap")
     buffer = conduit_rllib.ConduitPrioritizedEpisodeReplayBuffer(capacity=100, alpha=1.0, schedule="adaptive",
                                                                deliver="torch", seed=3)
     buffer.add(_unique_episodes(0, 10))
@@ -793,7 +787,7 @@ def test_rllib_schedules_probe_runs_every_path(tmp_path):
 
 @pytest.mark.parametrize("cls", ["ConduitEpisodeReplayBuffer", "ConduitPrioritizedEpisodeReplayBuffer"])
 def test_config_keys_named_like_the_classes_own_arguments_are_ignored_as_unknown(cls, caplog):
-    """``prioritized``, ``redraws``, ``label``, ``ring_advice``, ``adaptive_rule`` are set by the class: from RLlib's
+    """``prioritized``, ``redraws``, ``label``, ``ring_advice`` are set by the class: from RLlib's
     ``replay_buffer_config`` they are unknown keys (warned about, ignored), never the store's arguments."""
     buffer_class = getattr(conduit_rllib, cls)
     with caplog.at_level("WARNING", logger="conduit_rllib.buffers"):
@@ -801,6 +795,6 @@ def test_config_keys_named_like_the_classes_own_arguments_are_ignored_as_unknown
                               adaptive_rule=None, colour="red")
     assert "ignoring unknown replay_buffer_config keys ['adaptive_rule', 'colour', 'label', 'prioritized', " \
            "'redraws', 'ring_advice']" in caplog.text
-    assert buffer._label == cls and buffer._adaptive_rule is conduit_rllib.buffers.adaptive_choice
+    assert buffer._label == cls
     assert buffer._prioritized == (cls == "ConduitPrioritizedEpisodeReplayBuffer")
     assert buffer._redraws == buffer._prioritized

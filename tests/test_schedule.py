@@ -371,3 +371,14 @@ def test_prefetching_schedule_warns_when_cpu_dispatch_is_synchronous():
     with warnings.catch_warnings():
         warnings.simplefilter("error", ConduitWarning)
         ExperienceDataPlane(spec, 64, samplers.uniform(8), schedule=schedule_lib.overlap(2), mesh=default_mesh(1))
+
+
+def test_the_adaptive_rule_without_a_worker():
+    """A scheduler without a worker draws after the update while deliver() waits at most 10% of the time from a
+    delivery to its update for that batch; after the delivery once it waits more; after the update again after 32
+    batches drawn after their delivery."""
+    choose = schedule_lib.draws_after_update
+    assert choose(True, 0.0, 0.005, 0) and choose(True, 0.0004, 0.005, 0)
+    assert not choose(True, 0.0006, 0.005, 0)
+    assert not choose(False, 0.0, 0.005, 31)
+    assert choose(False, 0.0, 0.005, 32)

@@ -60,20 +60,21 @@ RLlib would and computes the weights. An ``add`` that would overwrite a step RLl
   a draw with ``t + min_batch_length_T`` past the episode's end is drawn again; slices are drawn until their lengths
   + 1 add up to the batch size (RLlib's count). ``n_step`` must be 1, as in RLlib. These are drawn in ``sample()``
   whatever the schedule.
-* **Schedules** (``"schedule"``): ``"sync"`` draws in ``sample()``; ``"overlap"`` draws the next batch right after
-  each ``update_priorities`` (uniform: after each ``sample()``), so it runs while RLlib's training step samples the
-  env and adds; ``"deferred"`` right after ``sample()`` (the priority update lands one batch later). A batch drawn
-  ahead is handed over only to the same request (size, n_step, beta, gamma) and never holds a step evicted since;
-  it comes from the buffer as it was when drawn (the newest add is not in it), and ``get_state`` does not hold it.
-  ``"adaptive"`` (prioritized) draws ahead as overlap does while that costs ``sample()`` no noticeable wait, and as
-  deferred once it does (when RLlib runs several updates back to back, nothing separates an update from the next
-  ``sample()``, so the overlap draw cannot finish in time), trying overlap again every 32 batches
-  (``adaptive_choice``): a batch never misses more than one priority update. ``stats()`` counts the batches drawn
-  ahead each way and those ``sample()`` waited for. The key also takes the core's schedules that say the same
-  (``CORE_SCHEDULES``): ``conduit_jax.schedule.sync()`` or ``staged()`` for ``"sync"`` (adds are staged under every
-  schedule: a copy, written by the next draw's kernel), ``overlap(1)``, ``deferred(1, 1)`` and ``adaptive(1, 1)``.
-  RLlib asks for one batch at a time and may change its request between calls, so a buffer draws at most one batch
-  ahead; deeper schedules are refused.
+* **Schedules** (``"schedule"``): the core's schedules, carried out by the core's ``delivery.Scheduler`` without a
+  worker thread (RLlib calls its buffer on its own thread; a batch drawn ahead is dispatched there and computes while
+  RLlib goes on), by RLlib-friendly names (``SCHEDULES``): ``"sync"`` (``conduit_jax.schedule.staged()``; ``sync()``
+  is taken too) draws in ``sample()``; ``"overlap"`` (``overlap(1)``) draws the next batch right after each
+  ``update_priorities`` (uniform: after each ``sample()``), so it runs while RLlib's training step samples the env
+  and adds; ``"deferred"`` (``deferred(1, 1)``) right after ``sample()`` (the priority update lands one batch later).
+  A batch drawn ahead is handed over only to the same request (size, n_step, beta, gamma) and never holds a step
+  evicted since; it comes from the buffer as it was when drawn (the newest add is not in it), and ``get_state`` does
+  not hold it. ``"adaptive"`` (``adaptive(1, 1)``, prioritized) draws ahead as overlap does while that costs
+  ``sample()`` no noticeable wait, and as deferred once it does (when RLlib runs several updates back to back,
+  nothing separates an update from the next ``sample()``, so the overlap draw cannot finish in time), trying overlap
+  again every 32 batches (``conduit_jax.schedule.draws_after_update``): a batch never misses more than one priority
+  update. ``stats()`` counts the batches drawn ahead each way and those ``sample()`` waited for. Adds are staged
+  under every schedule (a copy, written by the next draw's kernel). RLlib asks for one batch at a time and may
+  change its request between calls, so a buffer draws at most one batch ahead; deeper schedules are refused.
 
 * **Multi-agent** (``ConduitMultiAgentEpisodeReplayBuffer``, ``ConduitMultiAgentPrioritizedEpisodeReplayBuffer``,
   for RLlib's ``MultiAgentEpisodeReplayBuffer`` / ``MultiAgentPrioritizedEpisodeReplayBuffer``): whole oldest
@@ -119,17 +120,15 @@ from conduit_rllib.draws import MOST_CANDIDATES, candidate_count
 from conduit_rllib.episode_index import EXACT, StoredEpisode
 from conduit_rllib.multi_agent import (MULTI_AGENT_STATE_FORMAT, AgentSteps, MultiAgentStore,
                                        StoredMultiAgentEpisode)
-from conduit_rllib.store import (ADAPTIVE_RETRY_AFTER, ADAPTIVE_WAIT_SHARE, CORE_SCHEDULES, PRIORITY_FLOOR, SCHEDULES,
-                                 STATE_FORMAT, STATE_VERSION, STORAGE_FACTOR, CLASS_ARGUMENTS, EpisodeStore,
-                                 adaptive_choice)
+from conduit_rllib.store import (CLASS_ARGUMENTS, PRIORITY_FLOOR, SCHEDULES, STATE_FORMAT, STATE_VERSION,
+                                 STORAGE_FACTOR, EpisodeStore)
 
 __all__ = [
-    "ADAPTIVE_RETRY_AFTER", "ADAPTIVE_WAIT_SHARE", "CORE_SCHEDULES", "EXACT", "MOST_CANDIDATES",
-    "MULTI_AGENT_STATE_FORMAT", "PRIORITY_FLOOR", "SCHEDULES", "STATE_FORMAT", "STATE_VERSION", "STORAGE_FACTOR",
-    "AgentSteps", "ConduitBatch",
+    "EXACT", "MOST_CANDIDATES", "MULTI_AGENT_STATE_FORMAT", "PRIORITY_FLOOR", "SCHEDULES", "STATE_FORMAT",
+    "STATE_VERSION", "STORAGE_FACTOR", "AgentSteps", "ConduitBatch",
     "ConduitEpisodeReplayBuffer", "ConduitMultiAgentEpisodeReplayBuffer",
     "ConduitMultiAgentPrioritizedEpisodeReplayBuffer", "ConduitPrioritizedEpisodeReplayBuffer", "StoredEpisode",
-    "StoredMultiAgentEpisode", "adaptive_choice", "candidate_count",
+    "StoredMultiAgentEpisode", "candidate_count",
 ]
 
 
@@ -140,13 +139,11 @@ def _from_config(kwargs: dict) -> dict:
             **{k: v for k, v in kwargs.items() if k not in CLASS_ARGUMENTS}}
 
 
-# Each class hands its store(s) the "adaptive" schedule's rule as this module holds it when a buffer is built.
 class ConduitEpisodeReplayBuffer(EpisodeStore, EpisodeReplayBuffer):
     """Uniform replay (RLlib's ``EpisodeReplayBuffer``) in Conduit's functional core; ``weights`` are all 1."""
 
     def __init__(self, capacity: int = 10000, **kwargs):
-        super().__init__(capacity, prioritized=False, redraws=False, adaptive_rule=adaptive_choice,
-                         **_from_config(kwargs))
+        super().__init__(capacity, prioritized=False, redraws=False, **_from_config(kwargs))
 
 
 class ConduitPrioritizedEpisodeReplayBuffer(EpisodeStore, PrioritizedEpisodeReplayBuffer):
@@ -154,8 +151,7 @@ class ConduitPrioritizedEpisodeReplayBuffer(EpisodeStore, PrioritizedEpisodeRepl
     stratified draws, new steps at the max priority, importance weights normalised by the smallest probability."""
 
     def __init__(self, capacity: int = 10000, **kwargs):
-        super().__init__(capacity, prioritized=True, redraws=True, adaptive_rule=adaptive_choice,
-                         **_from_config(kwargs))
+        super().__init__(capacity, prioritized=True, redraws=True, **_from_config(kwargs))
 
 
 class ConduitMultiAgentEpisodeReplayBuffer(MultiAgentStore, MultiAgentEpisodeReplayBuffer):
@@ -163,7 +159,7 @@ class ConduitMultiAgentEpisodeReplayBuffer(MultiAgentStore, MultiAgentEpisodeRep
     in Conduit's functional core: one store per module; ``weights`` are all 1."""
 
     def __init__(self, capacity: int = 10000, **kwargs):
-        super().__init__(capacity, prioritized=False, adaptive_rule=adaptive_choice, **kwargs)
+        super().__init__(capacity, prioritized=False, **kwargs)
 
 
 class ConduitMultiAgentPrioritizedEpisodeReplayBuffer(MultiAgentStore, MultiAgentPrioritizedEpisodeReplayBuffer):
@@ -172,4 +168,4 @@ class ConduitMultiAgentPrioritizedEpisodeReplayBuffer(MultiAgentStore, MultiAgen
     synchronized batches are drawn uniformly over env steps (weights 1) and take no priority update."""
 
     def __init__(self, capacity: int = 10000, **kwargs):
-        super().__init__(capacity, prioritized=True, adaptive_rule=adaptive_choice, **kwargs)
+        super().__init__(capacity, prioritized=True, **kwargs)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
-from typing import Any, Callable, NamedTuple, Optional, Union
+from typing import Any, NamedTuple, Optional, Union
 
 import numpy as np
 from ray.rllib.core.columns import Columns
@@ -38,7 +38,7 @@ from conduit_jax.replay import compile_size
 from conduit_jax.schedule import Schedule
 from conduit_rllib.draws import Request, exact_values, n_range, to_host
 from conduit_rllib.metrics import BufferMetrics
-from conduit_rllib.store import STATE_VERSION, EpisodeStore, adaptive_choice
+from conduit_rllib.store import STATE_VERSION, EpisodeStore
 
 MULTI_AGENT_STATE_FORMAT = "conduit_rllib.multi_agent_episode_replay_buffer"
 # what an add refused for want of a module's ring space tells the user to change (EpisodeStore's ring_advice)
@@ -141,15 +141,13 @@ class Drawable(NamedTuple):
 
 class MultiAgentStore:
     """The shared implementation of the multi-agent buffers (see the module docstring); ``prioritized``: each
-    module's store draws by priority (RLlib's ``MultiAgentPrioritizedEpisodeReplayBuffer``); ``adaptive_rule``: the
-    stores' ``"adaptive"`` schedule rule."""
+    module's store draws by priority (RLlib's ``MultiAgentPrioritizedEpisodeReplayBuffer``)."""
 
     def __init__(self, capacity: int = 10000, *, batch_size_B: int = 16, batch_length_T: int = 1,
                  metrics_num_episodes_for_smoothing: int = 100, n_step: int = 1, alpha: float = 1.0,
                  beta: float = 0.0, num_shards: int = 1, seed: int = 0, deliver: str = "episodes",
                  schedule: Union[str, Schedule] = "sync", agents_per_module: Optional[int] = None,
-                 prioritized: bool = False,
-                 adaptive_rule: Callable[[str, float, float, int], str] = adaptive_choice, **kwargs):
+                 prioritized: bool = False, **kwargs):
         self._prioritized = bool(prioritized)
         name = type(self).__name__
         if deliver != "episodes":
@@ -159,8 +157,7 @@ class MultiAgentStore:
                                               not isinstance(agents_per_module, int) or agents_per_module < 1):
             raise ValueError(f"{name}: agents_per_module must be None or an int >= 1, got {agents_per_module!r}")
         self._store_config = dict(batch_size_B=batch_size_B, batch_length_T=batch_length_T, n_step=n_step,
-                                  alpha=alpha, beta=beta, num_shards=num_shards, schedule=schedule,
-                                  adaptive_rule=adaptive_rule)
+                                  alpha=alpha, beta=beta, num_shards=num_shards, schedule=schedule)
         # a throwaway store checks every other argument as the single-agent buffers do; its settings are this one's
         check = self._new_store(capacity, "check", seed, **kwargs)
         for key in ("capacity", "batch_size_B", "batch_length_T", "n_step", "alpha", "beta", "num_shards", "seed",

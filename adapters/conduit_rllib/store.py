@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import collections
 import logging
+import threading
 import time
-from typing import Any, Callable, Optional, Union
+from typing import Any, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +35,7 @@ from ray.rllib.utils.metrics.metrics_logger import MetricsLogger
 
 from conduit_jax import ExperienceSpec, default_mesh, engine, make_buffer, samplers
 from conduit_jax import schedule as schedules
+from conduit_jax.delivery import Scheduler
 from conduit_jax.replay import compile_size
 from conduit_rllib import draws
 from conduit_rllib.batch import ConduitBatch, train_columns
@@ -50,49 +52,35 @@ PRIORITY_FLOOR = 1e-12  # RLlib's smallest priority
 RING_ADVICE = "the ring holds {factor} x capacity={capacity} steps: raise capacity"
 _KNOWN_KWARGS = {"type", "metrics_num_episodes_for_smoothing"}
 # the store's arguments that the buffer classes set: a replay_buffer_config key so named is unknown to RLlib's config
-CLASS_ARGUMENTS = ("prioritized", "redraws", "label", "ring_advice", "adaptive_rule", "config_ignored")
-SCHEDULES = ("sync", "overlap", "deferred", "adaptive")
-ADAPTIVE_WAIT_SHARE = 0.1  # adaptive: overlap gives way once sample() waits more than this share of a learner update
-ADAPTIVE_RETRY_AFTER = 32  # adaptive: overlap is tried again after this many batches drawn the deferred way
+CLASS_ARGUMENTS = ("prioritized", "redraws", "label", "ring_advice", "config_ignored")
 _BUFFERS: dict = {}  # (layout, sampler batch size) -> functional Buffer; the state is each buffer's own
 _KERNELS: dict = {}  # layout -> the compiled kernels of its stores' engines (one cache, shared)
 
 
-# the core's schedules (``conduit_jax.schedule``) a store runs, by the word it runs them under. RLlib's sample() asks
-# for one batch at a time and may change its request (size, n_step, beta) from one call to the next, so a store draws
-# at most one batch ahead (depth 1) and a batch misses at most one priority update (k 1). Adds are staged (a copy,
-# written by the next draw's kernel) under every schedule, so the core's sync() and staged() both run as "sync".
-CORE_SCHEDULES = {"sync": (schedules.sync(), schedules.staged()), "overlap": (schedules.overlap(1),),
-                  "deferred": (schedules.deferred(1, 1),), "adaptive": (schedules.adaptive(1, 1),)}
+# the words RLlib's "schedule" key takes, for the core's schedules (``conduit_jax.schedule``) a store runs through
+# ``delivery.Scheduler`` without a worker (RLlib calls the buffer on its own thread). RLlib's sample() asks for one
+# batch at a time and may change its request (size, n_step, beta) from one call to the next, so a store draws at most
+# one batch ahead (depth 1) and a batch misses at most one priority update (k 1). Adds are staged (a copy, written by
+# the next draw's kernel) under every schedule, so the core's sync() runs as staged().
+SCHEDULES = {"sync": schedules.staged(), "overlap": schedules.overlap(1), "deferred": schedules.deferred(1, 1),
+             "adaptive": schedules.adaptive(1, 1)}
 
 
 def schedule_word(schedule, where: str) -> str:
     """The word in ``SCHEDULES`` a store runs for RLlib's ``"schedule"`` key: that word, or a ``conduit_jax.schedule``
-    value in ``CORE_SCHEDULES``. ValueError naming what came and what is taken otherwise."""
+    value of ``SCHEDULES`` (``sync()`` too). ValueError naming what came and what is taken otherwise."""
     if isinstance(schedule, str) and schedule in SCHEDULES:
         return schedule
     if isinstance(schedule, schedules.Schedule):
-        for word, runs in CORE_SCHEDULES.items():
-            if schedule in runs:
+        if schedule == schedules.sync():
+            return "sync"
+        for word, runs in SCHEDULES.items():
+            if schedule == runs:
                 return word
-    taken = ", ".join(f"{s.name}({', '.join(map(str, s.arguments()))})" for runs in CORE_SCHEDULES.values()
-                      for s in runs)
-    raise ValueError(f"{where}: schedule must be one of {SCHEDULES} or one of the core's schedules {taken} "
+    taken = ", ".join(["sync()"] + [f"{s.name}({', '.join(map(str, s.arguments()))})" for s in SCHEDULES.values()])
+    raise ValueError(f"{where}: schedule must be one of {tuple(SCHEDULES)} or one of the core's schedules {taken} "
                      f"(RLlib asks for one batch at a time, so a buffer draws at most one ahead and a batch misses at "
                      f"most one priority update), got {schedule!r}")
-
-
-def adaptive_choice(current: str, waited_s: float, learner_s: float, deferred_batches: int) -> str:
-    """The ``"adaptive"`` schedule's rule: where the next prioritized batch is drawn ahead. ``"overlap"`` (after
-    ``update_priorities``: the batch sees every update, as under sync) while ``sample()`` does not wait for it
-    noticeably, that is, for more than ``ADAPTIVE_WAIT_SHARE`` of the learner's update (the smoothed time from
-    ``sample()`` returning to ``update_priorities``); ``"deferred"`` (after ``sample()``: the draw runs during the
-    learner's update and misses that one priority update) once it does; overlap again after
-    ``ADAPTIVE_RETRY_AFTER`` deferred batches, in case the gap between updates has grown. ``waited_s`` is how long
-    the last ``sample()`` waited for its batch drawn ahead."""
-    if current == "overlap":
-        return "deferred" if waited_s > ADAPTIVE_WAIT_SHARE * learner_s else "overlap"
-    return "overlap" if deferred_batches >= ADAPTIVE_RETRY_AFTER else "deferred"
 
 
 class EpisodeStore:
@@ -102,20 +90,18 @@ class EpisodeStore:
     ``PrioritizedEpisodeReplayBuffer``'s rule; ``redraws`` redraws a step whose episode ends within n steps (RLlib's
     prioritized and multi-agent buffers do); ``label`` names the store in messages (default: its class name);
     ``ring_advice`` is what an add refused for want of ring space tells the user to change (``{factor}``,
-    ``{capacity}`` and ``{storage_capacity}`` are filled in); ``adaptive_rule`` is the ``"adaptive"`` schedule's rule
-    (``adaptive_choice``'s arguments and result); ``config_ignored``: keys of RLlib's config that a buffer class set
-    aside because they name one of these (``CLASS_ARGUMENTS``), ignored with a warning as any unknown key."""
+    ``{capacity}`` and ``{storage_capacity}`` are filled in); ``config_ignored``: keys of RLlib's config that a
+    buffer class set aside because they name one of these (``CLASS_ARGUMENTS``), ignored with a warning as any unknown
+    key."""
 
     def __init__(self, capacity: int = 10000, *, batch_size_B: int = 16, batch_length_T: int = 1,
                  metrics_num_episodes_for_smoothing: int = 100, n_step: int = 1, alpha: float = 1.0,
                  beta: float = 0.0, num_shards: int = 1, seed: int = 0, deliver: str = "episodes",
                  schedule: Union[str, schedules.Schedule] = "sync", prioritized: bool = False, redraws: bool = False,
-                 label: Optional[str] = None, ring_advice: str = RING_ADVICE,
-                 adaptive_rule: Callable[[str, float, float, int], str] = adaptive_choice,
-                 config_ignored: tuple = (), **kwargs):
+                 label: Optional[str] = None, ring_advice: str = RING_ADVICE, config_ignored: tuple = (), **kwargs):
         # RLlib's parent constructors are not run on purpose (they allocate the Python episode deque and, for PER,
         # segment trees of 2 * capacity nodes); set what RLlib code reads from a buffer
-        self._prioritized, self._redraws, self._adaptive_rule = bool(prioritized), bool(redraws), adaptive_rule
+        self._prioritized, self._redraws = bool(prioritized), bool(redraws)
         self._label = name = label or type(self).__name__
         unknown = set(kwargs) - _KNOWN_KWARGS | set(config_ignored)
         if unknown:
@@ -169,15 +155,11 @@ class EpisodeStore:
         self._adds_steps = 0  # the steps those adds wrote
         self._retiring: list = []  # int32[k, 2]: ids of evicted steps no kernel has retired yet
         self._last_ids = None
-        self._last_request: Optional[Request] = None
-        self._prefetched: Optional[Drawn] = None  # the next batch, drawn ahead (schedule overlap / deferred)
-        # where the next batch is drawn ahead ("overlap": after update_priorities, "deferred": after sample(), None:
-        # not at all); adaptive moves it with its rule (adaptive_choice)
-        self._ahead = {"sync": None, "adaptive": "overlap"}.get(self.schedule, self.schedule)
-        self._deferred_run = 0  # batches drawn ahead the deferred way in a row (adaptive)
-        self._learner_s = 0.0  # smoothed time from sample() returning to update_priorities (the learner's update)
-        self._handed_at: Optional[float] = None  # when the last sample() returned
-        self._ahead_counts = {"after_update": 0, "after_sample": 0, "waited": 0}
+        # the schedule: the batches drawn ahead (for a request), where they are drawn, the deferred updates
+        self._scheduler = Scheduler(SCHEDULES[self.schedule], threading.RLock(), self.storage_capacity, None,
+                                    draw=self._draw_for, admits=lambda: len(self._index.order) > 0, pend=self._pend,
+                                    refresh=lambda drawn: drawn, threaded=False, updates=self._prioritized)
+        self._riding: tuple = ()  # a priority update the next draw applies after its adds (update_priorities)
         # per n-step range (PER's redraw): the share of drawn candidates whose window fitted, smoothed; sizes the
         # next draw (1.0 until a draw says otherwise)
         self._fit_share: dict = {}
@@ -259,7 +241,9 @@ class EpisodeStore:
         return out[0], out[1], out[2].T
 
     def _settle(self) -> None:
-        """Write everything given so far into the state: one kernel, when anything waits."""
+        """Write everything given so far into the state (the schedule's deferred priority updates too): one kernel,
+        when anything waits."""
+        self._scheduler.apply_due(everything=True)
         if self._adds or self._retiring:
             self._call("settle", ())
         elif self._engine is not None:
@@ -317,11 +301,14 @@ class EpisodeStore:
         gone = [record.items() for record in plan.evicted if record.segments]
         if gone:
             ids = self._ids(np.concatenate(gone))
-            if self._prefetched is not None:
-                # a batch drawn ahead may hold a step evicted now: it is never handed over (drawn again instead)
-                drawn = np.asarray(self._prefetched.ids).astype(np.int64)
-                if np.isin(drawn[:, 0] << 32 | drawn[:, 1], ids[:, 0].astype(np.int64) << 32 | ids[:, 1]).any():
-                    self._prefetched = None
+            evicted = ids[:, 0].astype(np.int64) << 32 | ids[:, 1]
+
+            def holds_evicted(drawn: Drawn) -> bool:
+                held = np.asarray(drawn.ids).astype(np.int64)
+                return bool(np.isin(held[:, 0] << 32 | held[:, 1], evicted).any())
+
+            # a batch drawn ahead that holds a step evicted now is never handed over (drawn again instead)
+            self._scheduler.discard(holds_evicted)
             self._retiring.append(ids)
         self._index.apply(plan, rows)
         if self.observation_space is None:
@@ -380,24 +367,18 @@ class EpisodeStore:
                                DEFAULT_MODULE_ID, size)
         else:
             out = self.episodes_of(drawn, to_numpy, include_infos, include_extra_model_outputs)
-        self._handed_at = time.perf_counter()
-        self.timings["sample"] += self._handed_at - start
+        self.timings["sample"] += time.perf_counter() - start
         return out
 
     def take(self, request: Request) -> tuple[Drawn, int]:
-        """The batch for ``request``: the one drawn ahead if it was drawn for the same request, else drawn now
-        (again while too few windows fit, RLlib's resampling); then the next one drawn ahead as the schedule says.
-        Returns the batch and the number of extra draws."""
-        drawn, self._prefetched = self._prefetched, None
-        if drawn is not None:
-            waited = self._wait_for(drawn)
-            if self.schedule == "adaptive":
-                self._ahead = self._adaptive_rule(self._ahead, waited, self._learner_s, self._deferred_run)
-            if not self._fitted(drawn) or drawn.request != request:
-                drawn = None  # drawn for another request (or short of fitting windows): draw now
+        """The batch for ``request`` from the schedule (``delivery.Scheduler``: the one drawn ahead for the same
+        request, else drawn now; the next one is drawn ahead where the schedule says), drawn again while too few
+        windows fit (RLlib's resampling). Returns the batch and the number of extra draws."""
+        candidate, drawn = self._scheduler.deliver(None, None, None, request=request), None
         attempt, parts, found = 0, [], 0  # parts: (draw, its first rows that fit), while no draw alone has enough
         while drawn is None:
-            candidate = self._draw(request)
+            if attempt:
+                candidate = self._draw(request)
             if self._fitted(candidate) and not parts:
                 drawn = candidate
                 break
@@ -415,12 +396,7 @@ class EpisodeStore:
                                  f" more steps in their episode; sample a smaller n_step or add longer episodes")
             attempt += 1
         self._last_ids = drawn.ids
-        self._last_request = request
         self.sampled_timesteps += request.size
-        if self._ahead == "deferred" or (self._ahead == "overlap" and not self._prioritized):
-            self._prefetched = self._draw(request)  # runs while the learner updates (async dispatch)
-            self._ahead_counts["after_sample"] += 1
-        self._deferred_run = self._deferred_run + 1 if self._ahead == "deferred" else 0
         return drawn, attempt
 
     def _fitted(self, drawn: Drawn) -> bool:
@@ -430,15 +406,6 @@ class EpisodeStore:
         smoothed = 0.5 * self._fit_share.get(drawn.request.n_range, 1.0) + 0.5 * observed
         self._fit_share[drawn.request.n_range] = smoothed if enough else min(smoothed, observed)
         return enough
-
-    def _wait_for(self, drawn: Drawn) -> float:
-        """Seconds spent waiting for the kernel of a batch drawn ahead (0 when it had finished)."""
-        if drawn.enough.is_ready():
-            return 0.0
-        start = time.perf_counter()
-        drawn.enough.block_until_ready()
-        self._ahead_counts["waited"] += 1
-        return time.perf_counter() - start
 
     def _sample_batch(self, size: int, length: int, start: float) -> dict:
         """RLlib's ``EpisodeReplayBuffer`` batch of ``size`` rows of ``length`` entries (NumPy, as RLlib returns it)."""
@@ -503,6 +470,15 @@ class EpisodeStore:
         self.timings["sample"] += time.perf_counter() - start
         return out
 
+    def _draw_for(self, request: Request, timeout=None, recycle=None) -> Drawn:
+        """The scheduler's draw: ``_draw`` for ``request``, with the priority update waiting to ride it."""
+        update, self._riding = self._riding, ()
+        return self._draw(request, update)
+
+    def _pend(self, checked: tuple) -> None:
+        """Queue checked priority updates (the scheduler's deferred ones) for the next kernel."""
+        self._engine.pend(checked)
+
     def _draw(self, request: Request, update: tuple = ()) -> Drawn:
         """Dispatch one draw kernel for ``request`` (JAX runs it asynchronously; reading a result waits for it),
         after the pending priority updates, the adds given since the last kernel and then the priority update
@@ -561,27 +537,29 @@ class EpisodeStore:
         if not np.all(np.isfinite(values)):
             raise ValueError(f"{name}.update_priorities(): priorities must be finite, got "
                              f"{values[~np.isfinite(values)][:4].tolist()} (nothing was updated)")
-        if self._handed_at is not None:
-            learner = start - self._handed_at
-            self._learner_s = 0.9 * self._learner_s + 0.1 * learner if self._learner_s else learner
-            self._handed_at = None
         # RLlib's order: an add made before this update is in the buffer first (its new steps take the largest
         # priority seen before the update), while the engine applies pending updates before staged rows; so after
-        # an add the update rides the next draw as its step's argument, or the add is written first
+        # an add the update rides the draw the schedule makes now (``Scheduler.updated``) as its step's argument,
+        # or the add is written first
+        scheduler = self._scheduler
         added = bool(self._adds or self._retiring or self._engine.staged_items)
-        overlap = self._ahead == "overlap" and self._last_request is not None
-        if added and overlap:
-            update = (self._last_ids, values)
+        ids = np.asarray(self._last_ids)
+        named = (ids[:, 0] >= 0) & (ids[:, 1] >= 1)  # a refused draw's -1 ids name no step (skipped, as there)
+        update = (ids[named].astype(np.int32), values[named])
+        if added and scheduler.draws_on_update and not scheduler.schedule.defer:
+            self._riding = (self._last_ids, values)  # the draw's own argument: one shape per batch size
         else:
             if added:
                 self._settle()
-            ids = np.asarray(self._last_ids)
-            named = (ids[:, 0] >= 0) & (ids[:, 1] >= 1)  # a refused draw's -1 ids name no step (skipped, as there)
-            self._engine.pend((ids[named].astype(np.int32), values[named]))  # the next kernel applies it first
-            update = ()
-        if overlap:  # the next batch, drawn after this update in the same kernel; runs during the env rollout
-            self._prefetched = self._draw(self._last_request, update)
-            self._ahead_counts["after_update"] += 1
+            if scheduler.schedule.defer:
+                scheduler.report_update(*update)  # applied by the draw after the next sample() at the latest
+            else:
+                self._engine.pend(update)  # the next kernel applies it first
+        scheduler.updated()  # where the schedule draws after an update: the next batch now (during the env rollout)
+        if self._riding:  # the schedule drew nothing: the adds are written first, then the update
+            self._riding = ()
+            self._settle()
+            self._engine.pend(update)
         self._last_ids = None
         self.timings["update_priorities"] += time.perf_counter() - start
 
@@ -616,9 +594,11 @@ class EpisodeStore:
         more when PER's redraw found too few fitting windows or a batch drawn ahead was for another request)."""
         self._settle()
         ignored = 0 if self._engine is None else int(self._engine.state.sampler.ignored_updates)
+        counts = self._scheduler.counts
         return {"steps_written": self._index.items, "storage_capacity": self.storage_capacity,
                 "priority_updates_ignored": ignored, "sample_kernels": self._draws,
-                **{f"drawn_ahead_{where}": count for where, count in self._ahead_counts.items()}}
+                "drawn_ahead_after_update": counts["after_update"],
+                "drawn_ahead_after_sample": counts["after_delivery"], "drawn_ahead_waited": counts["waited"]}
 
     # -- state ----------------------------------------------------------------------------------------------------
     def _config(self) -> dict:
