@@ -434,15 +434,15 @@ class _EachValueLogged(PushingLogger):
 @pytest.mark.parametrize("cls", [conduit_rllib.ConduitEpisodeReplayBuffer,
                                  conduit_rllib.ConduitPrioritizedEpisodeReplayBuffer], ids=by_name)
 def test_metrics_equal_those_logged_value_by_value(cls):
-    """A Conduit buffer pushes a metric's later values onto its ``Stats`` (``metrics.PushingLogger``); every ``Stats``
-    of ``get_metrics()`` (its whole state) equals that of the same buffer logging each value through
-    ``MetricsLogger.log_value``, across adds that evict, samples of a random n-step, sequence samples and a reset of the
-    logger."""
+    """A Conduit buffer pushes a metric's later values onto its ``Stats`` and adds integer counts up on the host
+    (``metrics.PushingLogger``); every ``Stats`` of ``get_metrics()`` (its whole state), and what ``buffer.metrics``
+    shows when read directly, equal those of the same buffer logging each value through ``MetricsLogger.log_value``,
+    across adds that evict, samples of a random n-step, sequence samples and a reset of the logger."""
     buffers = [cls(capacity=300, metrics_num_episodes_for_smoothing=5) for _ in range(2)]
     buffers[1]._logged.pushing = _EachValueLogged(buffers[1].metrics)
     rngs = [np.random.default_rng(3), np.random.default_rng(3)]
     for i in range(20):
-        metrics = []
+        metrics, peeks = [], []
         for buffer, rng in zip(buffers, rngs):
             buffer.add([episode(rng, int(rng.integers(1, 40))) for _ in range(int(rng.integers(1, 4)))])
             if i % 2:
@@ -453,7 +453,9 @@ def test_metrics_equal_those_logged_value_by_value(cls):
                 buffer.sample(batch_size_B=4, batch_length_T=3)
             if i == 10:
                 buffer.metrics.reset()
+            peeks.append(buffer.metrics.peek())  # read directly too: the sums added up on the host are on it
             metrics.append(tree.map_structure(lambda stats: stats.get_state(), buffer.get_metrics()))
+        np.testing.assert_equal(peeks[0], peeks[1])
         assert metrics[0] == metrics[1], i
     assert buffers[0].get_num_episodes_evicted() > 0
     assert isinstance(buffers[1]._logged.pushing, _EachValueLogged)  # the reference logged value by value throughout

@@ -37,7 +37,7 @@ from ray.rllib.utils.metrics.metrics_logger import MetricsLogger
 from conduit_jax.replay import compile_size
 from conduit_jax.schedule import Schedule
 from conduit_rllib.draws import Request, exact_values, n_range, to_host
-from conduit_rllib.metrics import BufferMetrics
+from conduit_rllib.metrics import BufferMetrics, LoggedMetrics
 from conduit_rllib.store import STATE_VERSION, EpisodeStore
 
 MULTI_AGENT_STATE_FORMAT = "conduit_rllib.multi_agent_episode_replay_buffer"
@@ -139,7 +139,7 @@ class Drawable(NamedTuple):
     window_n: np.ndarray  # int64[W]: the n of each window
 
 
-class MultiAgentStore:
+class MultiAgentStore(LoggedMetrics):
     """The shared implementation of the multi-agent buffers (see the module docstring); ``prioritized``: each
     module's store draws by priority (RLlib's ``MultiAgentPrioritizedEpisodeReplayBuffer``)."""
 
@@ -165,8 +165,7 @@ class MultiAgentStore:
             setattr(self, key, getattr(check, key))
         self.deliver, self.agents_per_module = deliver, agents_per_module
         self.rng = np.random.default_rng(seed)
-        self.metrics = MetricsLogger(root=False)
-        self._logged = BufferMetrics()  # RLlib's metrics, fewer lookups per value
+        self._logged = BufferMetrics(MetricsLogger(root=False))  # RLlib's metrics (self.metrics), at less cost
         self._metrics_num_episodes_for_smoothing = metrics_num_episodes_for_smoothing
         self.timings = collections.defaultdict(float)  # seconds spent in add / sample / update_priorities
         self._reset()
@@ -574,9 +573,6 @@ class MultiAgentStore:
 
     def get_added_agent_timesteps(self) -> int:
         return self._num_agent_timesteps_added
-
-    def get_metrics(self):
-        return self.metrics.reduce()
 
     # -- state ----------------------------------------------------------------------------------------------------
     def _config(self) -> dict:

@@ -41,7 +41,7 @@ from conduit_rllib import draws
 from conduit_rllib.batch import ConduitBatch, train_columns
 from conduit_rllib.draws import Drawn, Request, candidate_count, exact_values, joined, to_host
 from conduit_rllib.episode_index import AddPlan, EpisodeIndex, check_columns, chunk_of, episode_slice, transitions
-from conduit_rllib.metrics import BufferMetrics
+from conduit_rllib.metrics import BufferMetrics, LoggedMetrics
 
 logger = logging.getLogger("conduit_rllib.buffers")  # a buffer's warnings come from its public module
 
@@ -83,7 +83,7 @@ def schedule_word(schedule, where: str) -> str:
                      f"most one priority update), got {schedule!r}")
 
 
-class EpisodeStore:
+class EpisodeStore(LoggedMetrics):
     """One ring of RLlib steps in Conduit's functional core, with RLlib's buffer contract (see the module docstring).
 
     Besides RLlib's buffer arguments: ``prioritized`` draws by priority (else uniformly, alpha 0) and evicts by
@@ -130,8 +130,7 @@ class EpisodeStore:
         self.deliver = deliver
         self.schedule = schedule
         self.rng = np.random.default_rng(seed)
-        self.metrics = MetricsLogger(root=False)
-        self._logged = BufferMetrics()  # RLlib's metrics, fewer lookups per value
+        self._logged = BufferMetrics(MetricsLogger(root=False))  # RLlib's metrics (self.metrics), at less cost
         self._metrics_num_episodes_for_smoothing = metrics_num_episodes_for_smoothing
         self.observation_space = None
         self.action_space = None
@@ -581,9 +580,6 @@ class EpisodeStore:
 
     def get_sampled_timesteps(self, module_id: Optional[str] = None) -> int:
         return self.sampled_timesteps
-
-    def get_metrics(self):
-        return self.metrics.reduce()
 
     def stats(self) -> dict[str, int]:
         """What RLlib's counters do not say: steps written to the ring (evicted ones included), its size, priority
