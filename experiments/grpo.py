@@ -14,10 +14,10 @@ The pieces, each a pure function (the experiment is also their smallest test):
     ``[R, T]`` with segment-aware causal attention: a token sees the keys of its own (nonzero) segment at positions
     <= its own. One forward therefore serves padded batches (one sequence per row, segment 1, padding segment 0) and
     packed ones (several sequences per row, segments 1, 2, ...).
-  * ``make_generate``: sampling inside ``jax.jit`` (temperature 1, stop at EOS, a fixed answer budget; the full
-    sequence is recomputed at every step, which at these lengths costs less than keeping a cache), ``group_size``
-    answers per prompt, each answer token's behaviour log-prob log pi_old(token_t | tokens_<t) (0 on the prompt), the
-    rewards and the policy version that generated them.
+  * ``make_generate``: sampling inside ``jax.jit`` (temperature 1, stop at EOS, a fixed answer budget; the prompts
+    go through the policy once, then each answer token alone against a key/value cache instead of recomputing the
+    whole sequence at every step), ``group_size`` answers per prompt, each answer token's behaviour log-prob
+    log pi_old(token_t | tokens_<t) (0 on the prompt), the rewards and the policy version that generated them.
   * ``grpo_loss``: the group advantage (reward - group mean) / (group std + 1e-6), or reward - group mean with
     ``--no-scale-advantages``, on every response token; the clipped importance ratio exp(logp_new - logp_behaviour)
     (clip 0.2), averaged over the response tokens of the batch. In a packed row the logit at position t predicts the
@@ -35,17 +35,19 @@ Each runs synchronously (generate, then learn, alternating; Conduit on ``schedul
 runs the kernel) and overlapped: a producer thread generates with a snapshot of the parameters and feeds the path
 while the learner thread takes batches and learns (Conduit on ``schedule.overlap(1)``, ``--schedule adaptive`` for
 ``adaptive(2, k=0)``: the plane's worker lays the next batch out during the learner's step). The producer generates
-while less than a batch's worth of groups waits. No group older than ``max_staleness`` policy versions reaches the
-loss: the naive path drops such groups when popped; the plane drops them when drawn and masks the sequences of a
-batch drawn ahead that are too old by the time it is delivered (both counted in the JSON).
+while less than a batch's worth of groups waits (a batch laid out ahead included). No group older than
+``max_staleness`` policy versions reaches the loss: the naive path drops such groups when popped; the plane drops them
+when drawn and masks the sequences of a batch drawn ahead that are too old by the time it is delivered (both counted
+in the JSON).
 
 Reported per path and mode: packing efficiency (useful tokens / computed tokens in the learner's batches; masked
 sequences are not useful), learner tokens per second (useful tokens per second of learner time), the exposed
 experience path per iteration (the learner thread's time on the experience path, wall clock with
 ``block_until_ready``: naive: pop, pad, advantages, transfer; Conduit: ``ingest`` (sync mode) + ``deliver`` +
 ``set_policy_version``; steps that compiled, for a new batch shape, are left out of the timings), the stale groups
-dropped and masked, the row counts of the batches, and the mean-reward curve; for learning, the final
-mean rewards of the packed overlapped path against the naive synchronous one over the seeds (Welch's t-test).
+dropped and masked, the row counts of the batches, and the mean-reward curve (initial: the mean of the first
+generations; final: of the last tenth); for learning, the final mean rewards of the packed overlapped path against
+the naive synchronous one over the seeds (Welch's t-test).
 
 Writes ``experiments/results/grpo.json`` and ``grpo.png`` (``--quick``: ``grpo_quick.*``); the run time is the
 ``wall_s`` the JSON records. ``python -m experiments.grpo --quick``; ``python -m experiments.grpo --help``.
@@ -89,7 +91,10 @@ class GRPOConfig:
     item_decay: float = 0.7
     group_size: int = 8  # G answers per prompt
     groups_per_batch: int = 8  # prompts per learner batch (and per generation: one learner step per generation)
-    iterations: int = 300  # learner steps per run
+    # generations per run (a learner step each on the padded paths; a packed batch may take more groups, so fewer
+    # steps): the mean reward passes TARGET_REWARD after 550-850 generations, depending on the seed, and levels off
+    # (a higher learning rate, or a warmup and cosine decay, did not get there sooner on every seed)
+    iterations: int = 1000
     d_model: int = 64
     heads: int = 4
     layers: int = 2
@@ -180,42 +185,87 @@ def attention_mask(positions: jax.Array, segment_ids: jax.Array) -> jax.Array:
     return (same & (positions[:, None, :] <= positions[:, :, None]))[:, None]
 
 
+class KVCache(NamedTuple):
+    """The keys and values of one sequence per row, the token at position p in slot p: per layer float32[R, S, heads,
+    d_model // heads]. Slots past a row's last token hold stale values: a query never sees a slot past its own
+    position, and a token's slot is written before its query reads the cache."""
+
+    keys: tuple
+    values: tuple
+
+
 class Block(nn.Module):
     d_model: int
     heads: int
 
     @nn.compact
-    def __call__(self, x, mask):
+    def __call__(self, x, mask, cache=None, slots=None):
+        """x [R, T, d] -> (x, (keys, values)). Without ``cache`` the queries attend to the keys of x itself; with a
+        cache (keys and values [R, S, heads, head]) x is one token per row (T = 1), its key and value are written at
+        ``slots`` [R] and it attends to the cache (``mask`` [R, 1, 1, S])."""
         r, t, d = x.shape
         head = d // self.heads
         qkv = nn.Dense(3 * d, use_bias=False)(nn.LayerNorm()(x)).reshape(r, t, 3, self.heads, head)
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+        if cache is not None:
+            # a select rather than a scatter: one slot per row, and the cache is a few KiB
+            at_slot = (jnp.arange(cache[0].shape[1])[None, :] == slots[:, None])[:, :, None, None]
+            k, v = jnp.where(at_slot, k, cache[0]), jnp.where(at_slot, v, cache[1])
         logits = jnp.einsum("rqhd,rkhd->rhqk", q, k) / np.sqrt(head)
         # a finite fill: a padding query sees no key at all, and -inf would make its row NaN (it is masked later)
         weights = jax.nn.softmax(jnp.where(mask, logits, -1e9), axis=-1)
         x = x + nn.Dense(d)(jnp.einsum("rhqk,rkhd->rqhd", weights, v).reshape(r, t, d))
         h = nn.Dense(4 * d)(nn.LayerNorm()(x))
-        return x + nn.Dense(d)(nn.gelu(h))
+        return x + nn.Dense(d)(nn.gelu(h)), (k, v)
 
 
 class Policy(nn.Module):
     """A decoder-only transformer over ``tokens``, ``positions``, ``segment_ids`` [R, T] -> logits [R, T, VOCAB]
-    (learned position embeddings read from ``positions``; PAD is never sampled: its logit is -1e9)."""
+    (learned position embeddings read from ``positions``; PAD is never sampled: its logit is -1e9).
+
+    For generation, ``prefill`` (the same forward, also returning the ``KVCache`` of rows that each hold one
+    sequence from position 0) and ``decode`` (one token per row against that cache) compute the same logits as the
+    full forward over the tokens so far, without recomputing the earlier tokens."""
 
     d_model: int = 64
     heads: int = 4
     layers: int = 2
     max_positions: int = 32
 
-    @nn.compact
+    def setup(self):
+        self.token_embedding = nn.Embed(VOCAB, self.d_model)
+        self.position_embedding = nn.Embed(self.max_positions, self.d_model)
+        self.blocks = [Block(self.d_model, self.heads) for _ in range(self.layers)]
+        self.final_norm = nn.LayerNorm()
+        self.unembedding = nn.Dense(VOCAB)
+
     def __call__(self, tokens, positions, segment_ids):
+        return self._forward(tokens, positions, attention_mask(positions, segment_ids))[0]
+
+    def prefill(self, tokens, segment_ids, slots: int):
+        """Rows of one sequence each, at positions 0..T-1 (``segment_ids`` 1 on its tokens so far, 0 after):
+        (logits [R, T, VOCAB], the ``KVCache`` with ``slots`` >= T slots, those past T zero)."""
+        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+        logits, caches = self._forward(tokens, positions, attention_mask(positions, segment_ids))
+        pad = ((0, 0), (0, slots - tokens.shape[1]), (0, 0), (0, 0))
+        return logits, KVCache(*(tuple(jnp.pad(x, pad) for x in xs) for xs in zip(*caches)))
+
+    def decode(self, token, position, cache: KVCache):
+        """One token per row (``token``, ``position`` int32[R]) after the cached ones: (logits [R, VOCAB], the cache
+        with the token's keys and values in slot ``position``)."""
+        mask = (jnp.arange(cache.keys[0].shape[1])[None, :] <= position[:, None])[:, None, None, :]
+        logits, caches = self._forward(token[:, None], position[:, None], mask, cache, position)
+        return logits[:, 0], KVCache(*zip(*caches))
+
+    def _forward(self, tokens, positions, mask, cache: Optional[KVCache] = None, slots=None):
         positions = jnp.clip(positions, 0, self.max_positions - 1)
-        x = nn.Embed(VOCAB, self.d_model)(tokens) + nn.Embed(self.max_positions, self.d_model)(positions)
-        mask = attention_mask(positions, segment_ids)
-        for _ in range(self.layers):
-            x = Block(self.d_model, self.heads)(x, mask)
-        logits = nn.Dense(VOCAB)(nn.LayerNorm()(x))
-        return jnp.where(jnp.arange(VOCAB) == PAD, -1e9, logits)
+        x = self.token_embedding(tokens) + self.position_embedding(positions)
+        caches = []
+        for i, block in enumerate(self.blocks):
+            x, kv = block(x, mask, None if cache is None else (cache.keys[i], cache.values[i]), slots)
+            caches.append(kv)
+        logits = self.unembedding(self.final_norm(x))
+        return jnp.where(jnp.arange(VOCAB) == PAD, -1e9, logits), caches
 
 
 def make_policy(config: GRPOConfig) -> Policy:
@@ -243,8 +293,9 @@ class Rollouts(NamedTuple):
 
 def make_generate(config: GRPOConfig, policy: Policy):
     """``generate(params, rng, version) -> Rollouts`` of ``groups_per_batch`` prompts x ``group_size`` answers,
-    jitted. Each step recomputes the forward over the whole buffer (``segment_ids`` 1 on the tokens so far) and
-    samples the next token of every unfinished row at temperature 1."""
+    jitted. The prompts go through the policy once (``Policy.prefill``, which keeps their keys and values); then each
+    step samples the next token of every unfinished row at temperature 1 and feeds it alone through
+    ``Policy.decode``. A row's answer starts at its own prompt length, so each row writes at its own position."""
     prompts, group, width = config.groups_per_batch, config.group_size, config.max_length
 
     def generate(params, rng, version):
@@ -254,25 +305,33 @@ def make_generate(config: GRPOConfig, policy: Policy):
         prompt_lengths = jnp.repeat(prompt_lengths, group, axis=0)
         n = tokens.shape[0]
         rows = jnp.arange(n)
-        positions = jnp.broadcast_to(jnp.arange(width), (n, width))
 
-        def step(carry, key):
-            tokens, logprobs, lengths, done = carry
-            segment_ids = (positions < lengths[:, None]).astype(jnp.int32)
-            logits = policy.apply(params, tokens, positions, segment_ids)
-            last = jax.nn.log_softmax(logits[rows, lengths - 1])  # the logit at the last token predicts the next
+        def sample(tokens, logprobs, lengths, done, last, key):
+            """Sample after each row's last token from its log-probs ``last`` [N, VOCAB]; finished rows keep theirs."""
             token = jax.random.categorical(key, last).astype(jnp.int32)
             write = ~done
             slot = jnp.minimum(lengths, width - 1)
             tokens = tokens.at[rows, slot].set(jnp.where(write, token, tokens[rows, slot]))
             logprobs = logprobs.at[rows, slot].set(jnp.where(write, last[rows, token], logprobs[rows, slot]))
             lengths = lengths + write.astype(jnp.int32)
-            done = done | (token == EOS) | (lengths >= width)
-            return (tokens, logprobs, lengths, done), None
+            return tokens, logprobs, lengths, done | (token == EOS) | (lengths >= width)
 
-        carry = (tokens, jnp.zeros((n, width), jnp.float32), prompt_lengths, jnp.zeros((n,), bool))
-        (tokens, logprobs, lengths, _), _ = jax.lax.scan(step, carry,
-                                                          jax.random.split(sample_rng, config.max_answer))
+        def step(carry, key):
+            tokens, logprobs, lengths, done, cache = carry
+            # each row's newest token (a finished row's last one again: it rewrites its own slot, read by nobody)
+            logits, cache = policy.apply(params, tokens[rows, lengths - 1], lengths - 1, cache,
+                                         method=Policy.decode)
+            return (*sample(tokens, logprobs, lengths, done, jax.nn.log_softmax(logits), key), cache), None
+
+        # the prefill computes only the columns a prompt can fill (the digits and '='); the answers' slots start empty
+        prompt_width = config.max_items + 1
+        segment_ids = (jnp.arange(prompt_width)[None, :] < prompt_lengths[:, None]).astype(jnp.int32)
+        logits, cache = policy.apply(params, tokens[:, :prompt_width], segment_ids, width, method=Policy.prefill)
+        keys = jax.random.split(sample_rng, config.max_answer)
+        # the logit at a prompt's last token predicts the answer's first
+        state = sample(tokens, jnp.zeros((n, width), jnp.float32), prompt_lengths, jnp.zeros((n,), bool),
+                       jax.nn.log_softmax(logits[rows, prompt_lengths - 1]), keys[0])
+        (tokens, logprobs, lengths, _, _), _ = jax.lax.scan(step, (*state, cache), keys[1:])
         rewards = rewards_of(tokens, prompt_lengths, lengths)
         shape = (prompts, group)
         return Rollouts(tokens.reshape(shape + (width,)), logprobs.reshape(shape + (width,)),
@@ -511,6 +570,9 @@ def make_path(name: str, config: GRPOConfig, max_staleness: Optional[int], sched
 # Runs: synchronous and overlapped
 # ------------------------------------------------------------------------------------------------------------------
 WARMUP_STEPS = 3  # learner steps left out of the timings (the first calls compile)
+# the initial mean reward: of the first generations, before the policy has moved much (the first tenth of a long run,
+# which the final reward's window mirrors, already holds much of the first rise)
+INITIAL_GENERATIONS = 10
 
 
 class Experiment:
@@ -683,17 +745,26 @@ def _overlapped(config: GRPOConfig, path, conduit: bool, shared: _Shared, queued
     (the learner's) thread takes batches and learns. Returns the seconds the learner waited for the producer.
 
     Pacing (both paths): the producer generates while fewer than a batch's worth of groups wait (``needed()``; for
-    Conduit also when none of them is fresh enough to deliver), so a generation does not queue long enough to go
-    stale. Conduit: the producer calls ``plane.ingest`` (waiting for room, which the pacing makes rare) and the
-    learner ``plane.deliver`` whenever the plane has a batch for it (laid out ahead by the schedule's worker, or
-    deliverable groups for deliver() to lay out)."""
+    Conduit also when none of them is fresh enough to deliver; a batch the schedule laid out ahead is such a batch's
+    worth), so a generation does not queue long enough to go stale. Conduit: the producer calls ``plane.ingest``
+    (waiting for room, which the pacing makes rare) and the learner ``plane.deliver`` whenever the plane has a batch
+    for it (laid out ahead by the schedule's worker, or deliverable groups for deliver() to lay out)."""
     snapshot = {"params": current()[0], "version": 0}
+
+    def backlogged() -> bool:  # under shared.cond
+        """Whether a batch's worth of groups waits for the learner."""
+        if conduit and path.plane.in_flight():
+            # counting only the groups not yet drawn, the producer refilled the plane while a batch waited laid out:
+            # two batches' worth queued, and once generation outpaced the learner much of the batch laid out next
+            # was older than max_staleness when delivered (masked: not learned from)
+            return True
+        return queued() >= needed() and (not conduit or path.plane.can_sample())
 
     def producer():
         try:
             for g in range(config.iterations):
                 with shared.cond:
-                    while not shared.done and queued() >= needed() and (not conduit or path.plane.can_sample()):
+                    while not shared.done and backlogged():
                         shared.cond.wait(0.005)  # a draw (the plane's worker) does not notify this condition
                     if shared.done:
                         return
@@ -786,7 +857,8 @@ def summarize_run(config: GRPOConfig, path: str, mode: str, seed: int, steps: li
         "undelivered_groups": int(plane["undelivered"]),
         "plane": plane if path != "naive" else None,
         "staleness_histogram": {str(k): int(v) for k, v in zip(*np.unique(staleness, return_counts=True))},
-        "curve": curve, "initial_reward": float(np.mean(curve[:tail])), "final_reward": float(np.mean(curve[-tail:])),
+        "curve": curve, "initial_reward": float(np.mean(curve[:min(tail, INITIAL_GENERATIONS)])),
+        "final_reward": float(np.mean(curve[-tail:])),
         "loss_last": float(np.mean([s["loss"] for s in steps[-10:]])) if steps else None,
         "kl_last": float(np.mean([s["kl"] for s in steps[-10:]])) if steps else None,
         "clipped_last": float(np.mean([s["clipped"] for s in steps[-10:]])) if steps else None,
