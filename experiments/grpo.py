@@ -42,12 +42,12 @@ in the JSON).
 
 Reported per path and mode: packing efficiency (useful tokens / computed tokens in the learner's batches; masked
 sequences are not useful), learner tokens per second (useful tokens per second of learner time), the exposed
-experience path per iteration (the learner thread's time on the experience path, wall clock with
-``block_until_ready``: naive: pop, pad, advantages, transfer; Conduit: ``ingest`` (sync mode) + ``deliver`` +
-``set_policy_version``; steps that compiled, for a new batch shape, are left out of the timings), the stale groups
-dropped and masked, the row counts of the batches, and the mean-reward curve (initial: the mean of the first
-generations; final: of the last tenth); for learning, the final mean rewards of the packed overlapped path against
-the naive synchronous one over the seeds (Welch's t-test).
+experience path per iteration (the learner thread's time on the experience path until its batch is computed, wall
+clock: naive: pop, pad, advantages, transfer and ``block_until_ready``; Conduit: ``ingest`` (sync mode) +
+``deliver`` (which returns a computed batch) + ``set_policy_version``; steps that compiled, for a new batch shape,
+are left out of the timings), the stale groups dropped and masked, the row counts of the batches, and the
+mean-reward curve (initial: the mean of the first generations; final: of the last tenth); for learning, the final
+mean rewards of the packed overlapped path against the naive synchronous one over the seeds (Welch's t-test).
 
 Writes ``experiments/results/grpo.json`` and ``grpo.png`` (``--quick``: ``grpo_quick.*``); the run time is the
 ``wall_s`` the JSON records. ``python -m experiments.grpo --quick``; ``python -m experiments.grpo --help``.
@@ -658,13 +658,15 @@ def run_one(exp: Experiment, path_name: str, mode: str, seed: int) -> dict:
 
     def take(version: int, timeout: Optional[float] = 0.0):
         """The next batch and how to account for it, or None: Conduit's deliver(), or the naive pop, pad and
-        transfer. Computed (block_until_ready) when it returns, so the caller's clock holds all of it."""
+        transfer. Computed when it returns, so the caller's clock holds all of it: the plane's deliver() returns a
+        computed batch (it waits for the kernel itself, or hands over one its worker saw finish), the naive path's
+        transfer is waited for here (block_until_ready)."""
         if conduit:
             try:
                 batch, b = path.deliver(timeout=timeout)
             except NotEnoughDataError:
                 return None
-            return jax.block_until_ready(batch), lambda: path.account(batch, b)
+            return batch, lambda: path.account(batch, b)
         with shared.cond:
             groups = path.pop(version)
         if not groups:
