@@ -798,3 +798,25 @@ def test_config_keys_named_like_the_classes_own_arguments_are_ignored_as_unknown
     assert buffer._label == cls
     assert buffer._prioritized == (cls == "ConduitPrioritizedEpisodeReplayBuffer")
     assert buffer._redraws == buffer._prioritized
+
+
+@pytest.mark.parametrize("schedule", ["sync", "overlap", "deferred", "adaptive"])
+def test_steps_added_before_a_priority_update_take_the_largest_priority_seen_before_it(schedule):
+    """RLlib's order under every schedule: steps added between a sample() and its update_priorities() enter at the
+    largest priority seen before that update; steps added after it, at the update's (the larger). Overlap and
+    adaptive draw the next batch with the update (the adds written first in the same kernel); deferred queues the
+    update on the host, after the adds."""
+    buffer = conduit_rllib.ConduitPrioritizedEpisodeReplayBuffer(capacity=200, alpha=1.0, schedule=schedule,
+                                                               deliver="torch", seed=3)
+    buffer.add(_unique_episodes(0, 5))
+    for round_ in range(3):
+        buffer.sample(num_items=16, n_step=1)
+        before = _unique_episodes(10 + 2 * round_, 1)
+        buffer.add(before)
+        buffer.update_priorities(np.full(16, 10.0 ** (round_ + 2)))
+        after = _unique_episodes(11 + 2 * round_, 1)
+        buffer.add(after)
+        leaves = buffer.get_state()["arrays"][".sampler.levels[3]"]
+        previous = 1.0 if round_ == 0 else 10.0 ** (round_ + 1)
+        np.testing.assert_array_equal(leaves[buffer.ring_rows(before[0].id_)], previous)
+        np.testing.assert_array_equal(leaves[buffer.ring_rows(after[0].id_)], 10.0 ** (round_ + 2))

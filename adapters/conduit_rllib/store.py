@@ -545,7 +545,7 @@ class EpisodeStore(LoggedMetrics):
         ids = np.asarray(self._last_ids)
         named = (ids[:, 0] >= 0) & (ids[:, 1] >= 1)  # a refused draw's -1 ids name no step (skipped, as there)
         update = (ids[named].astype(np.int32), values[named])
-        if added and scheduler.draws_on_update and not scheduler.schedule.defer:
+        if added and scheduler.draws_on_update:
             self._riding = (self._last_ids, values)  # the draw's own argument: one shape per batch size
         else:
             if added:
