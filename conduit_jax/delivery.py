@@ -19,6 +19,11 @@ the worker has done everything it can do now, which gives calls that read the pl
 ``save``, ``held``) the state they would see without a thread. An exception raised on the worker is kept and raised
 by the learner's next ``deliver()`` (``raise_error``); the worker carries on with the next kick.
 
+Without a thread: ``Scheduler(threaded=False)`` carries the same schedules out on the caller's own thread, for a
+caller that asks for one batch at a time (RLlib's replay buffers, ``adapters/conduit_rllib``): batches are drawn
+ahead there, right after a delivery or right after the caller's priority update, and JAX's asynchronous dispatch
+computes them while the caller goes on; a batch drawn for one request goes only to an equal one.
+
 Lifetime: the thread holds no reference to the plane (``poll`` reaches it through a weak reference), so an unclosed
 plane is collected as usual and its worker stops (``weakref.finalize`` in the plane); ``close`` stops it at once, and
 an ``atexit`` hook closes every worker still running, so the interpreter never waits on one at exit.
