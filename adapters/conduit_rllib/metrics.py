@@ -29,14 +29,14 @@ from ray.rllib.utils.replay_buffers.episode_replay_buffer import EpisodeReplayBu
 class PushingLogger:
     """Stands in for ``logger`` where RLlib's buffer code calls ``log_value`` (see the module docstring)."""
 
-    __slots__ = ("logger", "_tree", "_stats", "_waiting")
+    __slots__ = ("logger", "_tree", "_stats", "_summed", "_waiting")
 
     def __init__(self, logger: MetricsLogger):
-        self.logger, self._tree, self._stats, self._waiting = logger, None, {}, {}
+        self.logger, self._tree, self._stats, self._summed, self._waiting = logger, None, {}, set(), {}
 
     def log_value(self, key, value, **kwargs) -> None:
         if self.logger.stats is not self._tree:  # reset / set_state give the logger a new tree
-            self._tree, self._stats, self._waiting = self.logger.stats, {}, {}
+            self._tree, self._stats, self._summed, self._waiting = self.logger.stats, {}, set(), {}
         stats = self._stats.get(key)
         if stats is None:
             self.logger.log_value(key, value, **kwargs)
@@ -44,14 +44,14 @@ class PushingLogger:
             for part in key if isinstance(key, tuple) else (key,):
                 node = node[part]
             self._stats[key] = node
-        elif key in self._waiting or (_summed_on_host(stats) and isinstance(value, (int, np.integer))
-                                      and not isinstance(value, bool)):
-            if isinstance(value, (int, np.integer)):
-                self._waiting[key] = self._waiting.get(key, 0) + value
-            else:  # a key that had integers takes another value: what waited goes first, in order
-                stats.push(self._waiting.pop(key))
-                stats.push(value)
+            if _summed_on_host(node):
+                self._summed.add(key)
+        elif key in self._summed and isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+            self._waiting[key] = self._waiting.get(key, 0) + value
         else:
+            waiting = self._waiting.pop(key, None)
+            if waiting is not None:  # a summed key takes another value: what waited goes first, in order
+                stats.push(waiting)
             stats.push(value)
 
     def flush(self) -> None:
