@@ -199,11 +199,12 @@ class Engine:
     Besides the state, the engine holds the host work that is not in it yet, in the order it was given: checked
     priority updates (``pend``) and then staged ingests (``ingest(..., staged=True)``: packed into a host
     ``StagingArea``, see ``staging.py``, or a device batch's rows packed on the device). Every kernel the engine
-    dispatches applies the updates, then writes the staged rows, then does its own work, all in one dispatch, except
-    that updates and rows to write together take two (the updates' kernel first; see ``_dispatch``), and a step
-    given with ``rows_apart`` runs after a kernel that writes the rows; ``flush`` runs a kernel for just those. So
-    whatever reads the state (a draw, ``state``, ``status``, ``run``) sees everything given before it. A caller that
-    gives an update while rows are staged flushes first (the plane does), which keeps updates before staged rows.
+    dispatches applies the updates, then writes the staged rows, then does its own work, all in one dispatch (the
+    updates and the rows in one pass over the sampler's index; see ``_dispatch``), except that a step given with
+    ``rows_apart`` runs after a kernel that writes the rows; ``flush`` runs a kernel for just those. So whatever
+    reads the state (a draw, ``state``, ``status``, ``run``) sees everything given before it. An update given while
+    rows are staged applies before them, unless given with ``pend(after_staged=True)``; a caller that wants program
+    order either flushes first (the plane does) or passes that.
 
     Not thread-safe: the caller serialises calls (the plane holds its lock around each), except ``pend``, a deque
     append that any thread may make. ``state`` may be None (freed, e.g. before a restore reads the saved one);
@@ -267,6 +268,9 @@ class Engine:
         self.pending: collections.deque[tuple[np.ndarray, np.ndarray]] = collections.deque() if pending is None \
             else pending
         self._update_rows, self.update_headroom = 0, int(update_headroom)
+        # checked updates given after the rows staged now (``pend(after_staged=True)``): the kernel that writes the
+        # rows applies them right after
+        self._after_rows: collections.deque[tuple[np.ndarray, np.ndarray]] = collections.deque()
         # the state, in one or both of two forms that agree: the pytree (``_tree``) and the kernels' form (``_form``:
         # storage's large leaves, the rest's large leaves, the small leaves' vector). Kernels produce the form;
         # reading ``state`` joins it once.
@@ -308,9 +312,11 @@ class Engine:
                        out_shardings=(self.bundle.large_shardings[storage_large:], self.bundle.small_sharding)
                        + (None,) * num_outputs, compiler_options=options)
 
-    def _kernel(self, step_name: str, updates: int, staged: Optional[tuple[int, bool]], recycles: bool = False):
+    def _kernel(self, step_name: str, updates: int, staged: Optional[tuple[int, bool, int]],
+                recycles: bool = False):
         """The compiled kernel that applies ``updates`` rows of ``pack_updates``' array (0: none), then writes a
-        staged block (``staged``: its (rows, host-packed), or None), then runs step ``step_name`` ("" for none,
+        staged block (``staged``: its (rows, host-packed, rows of an update applied right after it: 0 for none), or
+        None), then runs step ``step_name`` ("" for none,
         "sample", "version"). Its outputs: the finished marker of the staged block (if any), the step's own, and the
         deliverable count (if it may have changed and the sampler keeps it in an index)."""
         key = (step_name, updates, staged, recycles)
@@ -326,12 +332,15 @@ class Engine:
 
         def full_step(state, *args):
             args = list(args)
-            if updates:
-                state = _replace(state, sampler=replay.update(config, state, *unpack_updates(args.pop(0))))
+            before = unpack_updates(args.pop(0)) if updates else None
             outputs = []
+            if staged is None and before is not None:
+                state = _replace(state, sampler=replay.update(config, state, *before))
             if staged is not None:
                 block, n = args.pop(0), args.pop(0)
-                state = replay.ingest(config, state, block, n, packed=staged[1])
+                then = unpack_updates(args.pop(0)) if staged[2] else None
+                # the updates, the rows and the updates given after them, in one pass over the sampler's index
+                state = replay.ingest(config, state, block, n, packed=staged[1], update_before=before, then_update=then)
                 # a scalar of its own that is ready once this kernel has run, even after the state has been donated to
                 # another jit: the staging area it read is packed again only then
                 outputs.append(jnp.sum(state.storage.cursor))
@@ -341,7 +350,8 @@ class Engine:
                 outputs.append(replay.deliverable(config, state))
             return (state, *outputs)
 
-        before = int(bool(updates)) + 2 * int(staged is not None)  # the kernel's arguments before the step's own
+        # the kernel's arguments before the step's own
+        before = int(bool(updates)) + (0 if staged is None else 2 + int(bool(staged[2])))
         kernel = self.reading_kernel(full_step, int(staged is not None) + own_outputs + int(reports), recycles,
                                      delivery=step_name == "sample", writes=writes,
                                      donates=tuple(before + i for i in step_donates))
@@ -354,23 +364,27 @@ class Engine:
         return staged is not None or self._step_options.get(step_name, _BUILT_IN_STEP)[0]
 
     @staticmethod
-    def _kernel_name(step_name: str, updates: int, staged: Optional[tuple[int, bool]], recycles: bool) -> str:
+    def _kernel_name(step_name: str, updates: int, staged: Optional[tuple[int, bool, int]], recycles: bool) -> str:
         parts = [f"update[{updates}]"] if updates else []
         if staged is not None:
             parts.append(f"ingest[{staged[0]}{',packed' if staged[1] else ''}]")
+            if staged[2]:
+                parts.append(f"update[{staged[2]}]")
         if step_name:
             parts.append(step_name + ("[recycle]" if recycles else ""))
         return "+".join(parts)
 
     def _dispatch(self, step_name: str, *step_args, recycle=None, block=None, write: bool = True) -> list:
         """Run step ``step_name`` in one kernel that first applies the pending updates and writes the staged rows
-        (or ``block``: a (device batch, n) written instead, after the updates); return the step's outputs.
-        ``write=False``: the staged rows stay staged. Pending updates and rows to write go in two kernels, the updates
-        first: in one kernel that scatters new priorities into the sum tree and writes a run of new items' leaves,
-        XLA:CPU copies every level of the tree twice (4 MB for the leaves of a 100,000-slot tree), which a kernel
-        doing either alone does not."""
+        (or ``block``: a (device batch, n) written instead, after the updates), then the updates given after those
+        rows; return the step's outputs. ``write=False``: the staged rows stay staged. Updates and rows go in one
+        pass over the sampler's index (``replay.ingest``'s ``update_before`` / ``then_update``): two passes over a
+        sum tree in one kernel make XLA:CPU copy every level twice (8 MB for a 100,000-slot tree); where that is not
+        possible (a sampler without the one-pass ops, updates on both sides of the rows) the pending updates get a
+        kernel of their own first."""
         waiting = self.staged_items
-        if write and self.pending and (block is not None or waiting):
+        if write and self.pending and (block is not None or waiting) and (
+                self.config.sampler.update_then_insert is None or self._after_rows):
             self._dispatch("", write=False)
         if write and waiting and self._step_options.get(step_name, _BUILT_IN_STEP)[3]:
             self._dispatch("")  # a step that scatters into the index: the rows in a kernel of their own first
@@ -383,17 +397,19 @@ class Engine:
         device_rows = self._device_rows if write and block is None else None
         if write and block is not None:
             batch, n = block
-            staged = (jax.tree_util.tree_leaves(batch)[0].shape[0], False)
+            staged = (jax.tree_util.tree_leaves(batch)[0].shape[0], False, 0)
             args += [batch, self._count(n)]
-        elif device_rows is not None:
-            packed_rows, n = device_rows
-            staged = (packed_rows.shape[0], True)
-            args += [packed_rows, self._count(n)]
-        elif write and self.staging.count:
-            rows = staged_rows(self.staging.count, self.config.num_shards, self.config.shard_capacity)
-            packed_rows, n = self.staging.block(rows)
-            staged = (rows, True)
-            args += [packed_rows, self._count(n)]
+        elif device_rows is not None or (write and self.staging.count):
+            if device_rows is not None:
+                packed_rows, n = device_rows
+            else:
+                packed_rows, n = self.staging.block(staged_rows(self.staging.count, self.config.num_shards,
+                                                                self.config.shard_capacity))
+            # updates given after these rows were staged (``pend(after_staged=True)``) ride their write
+            after = pack_updates([self._after_rows.popleft() for _ in range(len(self._after_rows))]) \
+                if self._after_rows else None
+            staged = (packed_rows.shape[0], True, 0 if after is None else after.shape[0])
+            args += [packed_rows, self._count(n)] + ([] if after is None else [after])
         key = (step_name, 0 if updates is None else updates.shape[0], staged, recycle is not None)
         built = self._kernels.get(key)
         kernel, name = built if built is not None else (self._kernel(*key), self._kernel_name(*key))
@@ -510,17 +526,23 @@ class Engine:
     def lowered(self, kernel: str, *args, platform: Optional[str] = None):
         """``jax.stages.Lowered`` of a kernel over the current state, to read its HLO: ``sample``, ``version`` (with
         the version), ``update`` and ``update+sample`` (with ``pack_updates``' array), ``ingest`` and
-        ``ingest+sample`` (with ``(rows, block, n)``: a packed host block of ``rows`` rows holding ``n`` items).
-        ``platform`` (e.g. ``"cuda"``): lowered for that backend instead of this one, to read what a GPU would be
-        asked to move."""
+        ``ingest+sample`` (with ``(rows, block, n)``: a packed host block of ``rows`` rows holding ``n`` items),
+        ``update+ingest`` / ``ingest+update`` (with the update array before / after ``(rows, block, n)``: an update
+        given before / after the rows were staged). ``platform`` (e.g. ``"cuda"``): lowered for that backend instead
+        of this one, to read what a GPU would be asked to move."""
         step_name = {"sample": "sample", "update+sample": "sample", "ingest+sample": "sample", "version": "version",
-                     "update": "", "ingest": ""}[kernel]
+                     "update": "", "ingest": "", "update+ingest": "", "ingest+update": ""}[kernel]
+        args = list(args)
         updates = args[0].shape[0] if kernel.startswith("update") else 0
-        staged = (args[0], True) if kernel.startswith("ingest") else None
-        if staged is not None:
-            args = (args[1], np.int32(args[2]))
+        staged = None
+        if "ingest" in kernel:
+            at = int(kernel.startswith("update"))  # where (rows, block, n) start
+            rows, block, n = args[at:at + 3]
+            then = args[at + 3] if kernel.endswith("+update") else None
+            staged = (rows, True, 0 if then is None else then.shape[0])
+            args = args[:at] + [block, np.int32(n)] + ([] if then is None else [then])
         elif kernel == "version":
-            args = (np.int32(args[0]),)
+            args = [np.int32(args[0])]
         jitted = self._kernel(step_name, updates, staged)
         return jitted.trace(*self._live_form, *args).lower(lowering_platforms=None if platform is None else (platform,))
 
@@ -589,6 +611,8 @@ class Engine:
         that does not take the state (no wait for the kernels that hold it), and wait for the next kernel."""
         leaves = jax.tree_util.tree_leaves(batch)
         config = self.config
+        if self._after_rows:
+            self.flush()  # an update given after the staged rows applies before these: they are written with it now
         if staged and self._mirror is None and self._mirrors:
             self.known()  # the status before these items, read now: a read later would write them first
         on_mesh = all(isinstance(leaf, jax.Array) and leaf.sharding.device_set == self._devices for leaf in leaves)
@@ -646,9 +670,17 @@ class Engine:
         elif not written:
             mirror["deliverable"] = None  # an index's count: known once a kernel has written the rows (it reports it)
 
-    def pend(self, checked: tuple[np.ndarray, np.ndarray]) -> None:
-        """Queue a checked priority update (``spec.checked_priority_update``) for the next kernel. Any thread."""
-        self.pending.append(checked)
+    def pend(self, checked: tuple[np.ndarray, np.ndarray], *, after_staged: bool = False) -> None:
+        """Queue a checked priority update (``spec.checked_priority_update``) for the next kernel. Any thread.
+
+        The next kernel applies it before it writes the rows staged by then; with ``after_staged`` (the caller's
+        thread only) it applies after the rows staged now, in the kernel that writes them (as a sync ingest and
+        then an update would: new items take the largest priority seen before it, an update of an item those rows
+        overwrite is ignored). A sampler with ``insert_then_update`` does both in one pass over its index."""
+        if after_staged and self.staged_items:
+            self._after_rows.append(checked)
+        else:
+            self.pending.append(checked)
 
     def _take_updates(self) -> Optional[np.ndarray]:
         """The pending updates packed for one kernel (``pack_updates``), or None."""

@@ -363,7 +363,8 @@ class ExperienceDataPlane:
         is queued and checked when it is applied, k steps later: a bad one raises from that later call, naming the
         step it was reported at, and is dropped whole. A checked update takes effect for every later call; its kernel
         work rides in the next ``sample()``'s kernel call, or runs on its own first when another call reads the state.
-        Items staged before it are written first (a kernel now), so it applies to the state they are in.
+        Items staged before it are written before it applies, by the same kernel, so it applies to the state they are
+        in.
         """
         runtime.refuse_under_trace("update_priorities()", "state = buffer.update(state, ids, priorities)")
         start = time.perf_counter()
@@ -390,10 +391,8 @@ class ExperienceDataPlane:
             priorities.block_until_ready()
             waited = time.perf_counter() - begin
         checked = checked_priority_update(ids, priorities, self.capacity)
-        if self.engine.staged_items:  # rows ingested before it: in the state first (the engine's kernels apply
-            with self._changed:  # pending updates before staged rows)
-                self.engine.flush()
-        self.engine.pend(checked)
+        with self._changed:  # applied right after the rows ingested before it, by the kernel that writes them
+            self.engine.pend(checked, after_staged=True)
         return waited
 
     def _pend(self, checked) -> None:

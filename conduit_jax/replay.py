@@ -145,17 +145,29 @@ def _shard_view(config: ReplayConfig, st: storage.StorageState) -> ShardView:
 # ------------------------------------------------------------------------------------------------------------------
 # ingest
 # ------------------------------------------------------------------------------------------------------------------
-def ingest(config: ReplayConfig, state: ReplayState, batch, n, *, packed: bool = False) -> ReplayState:
+def ingest(config: ReplayConfig, state: ReplayState, batch, n, *, packed: bool = False,
+           update_before: Optional[tuple] = None, then_update: Optional[tuple] = None) -> ReplayState:
     """Write the first ``n`` items of ``batch`` (padded to ``shards * k`` rows, replicated) into the rings. ``batch``
     is a pytree in the spec's structure, or with ``packed`` rows already packed (uint32[shards * k, row_words], or
-    those bytes as uint8[shards * k, row_bytes] for a byte ring: ``RowLayout.to_ring``).
+    those bytes as uint8[shards * k, row_bytes] for a byte ring: ``RowLayout.to_ring``). ``update_before`` /
+    ``then_update`` (at most one): a priority update ``(ids, priorities, valid)`` applied before / after the write, as
+    ``update`` would be (in one pass over the sampler's index where the sampler has ``update_then_insert`` /
+    ``insert_then_update``: two passes over a sum tree in one kernel made XLA:CPU copy every level twice).
 
     Each shard takes its round-robin share of the batch, packs it and writes it at its own cursor: no item is
     written twice and no shard waits for another.
     """
     specs = partition_specs(config)
+    if update_before is not None and then_update is not None:
+        raise ConfigError("replay.ingest(): give update_before or then_update, not both")
+    if update_before is not None and config.sampler.update_then_insert is None:
+        state = dataclasses.replace(state, sampler=update(config, state, *update_before))
+        return ingest(config, state, batch, n, packed=packed)
+    if then_update is not None and config.sampler.insert_then_update is None:
+        written = ingest(config, state, batch, n, packed=packed)
+        return dataclasses.replace(written, sampler=update(config, written, *then_update))
 
-    def per_shard(state: ReplayState, batch, n):
+    def per_shard(state: ReplayState, batch, n, *updating):
         st = state.storage
         mine, count = storage.deal(batch, st.next_shard, n, _shard_index(config), config.num_shards)
         block = config.layout.to_ring(mine) if packed else config.layout.pack_ring(mine)
@@ -166,16 +178,20 @@ def ingest(config: ReplayConfig, state: ReplayState, batch, n, *, packed: bool =
         view = InsertView(config.num_shards, config.shard_capacity, config.axes, slots, lax.iota(jnp.int32, k) < count,
                           n, cursor, laps,
                           lambda name, at: config.layout.read_leaf(rows, name, config.ring_row(at)))
-        return ReplayState(
-            storage=storage.StorageState(rows=rows, cursor=new_cursor[None], laps=new_laps[None],
-                                         next_shard=(st.next_shard + n) % config.num_shards),
-            sampler=config.sampler.on_insert(state.sampler, view),
-            limiter=config.limiter.on_insert(state.limiter, n),
-            policy_version=state.policy_version,
-            stale_draws=state.stale_draws,
-        )
+        written = storage.StorageState(rows=rows, cursor=new_cursor[None], laps=new_laps[None],
+                                       next_shard=(st.next_shard + n) % config.num_shards)
+        if not updating:
+            sampler = config.sampler.on_insert(state.sampler, view)
+        elif update_before is not None:
+            sampler = config.sampler.update_then_insert(state.sampler, _shard_view(config, st), view, *updating)
+        else:
+            sampler = config.sampler.insert_then_update(state.sampler, view, _shard_view(config, written), *updating)
+        return ReplayState(storage=written, sampler=sampler, limiter=config.limiter.on_insert(state.limiter, n),
+                           policy_version=state.policy_version, stale_draws=state.stale_draws)
 
-    return _shard_mapped(config, per_shard, (specs, P(), P()), specs)(state, batch, n)
+    updating = tuple(update_before if update_before is not None else then_update or ())
+    return _shard_mapped(config, per_shard, (specs, P(), P()) + (P(),) * len(updating), specs)(state, batch, n,
+                                                                                            *updating)
 
 
 # ------------------------------------------------------------------------------------------------------------------

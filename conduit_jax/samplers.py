@@ -93,6 +93,11 @@ class Sampler(NamedTuple):
     on_insert(state, InsertView) -> state                          (per shard)
     sample(state, ShardView) -> (state, Selection)                 (per shard)
     update(state, ShardView, ids, priorities, valid) -> state      (per shard; None for samplers without priorities)
+    update_then_insert(state, ShardView, InsertView, ids, priorities, valid) -> state   (per shard; optional)
+    insert_then_update(state, InsertView, ShardView, ids, priorities, valid) -> state   (per shard; optional):
+        ``update`` and ``on_insert`` in that order (the ShardView: the storage before the insert, resp. after it),
+        equal to the two in turn, in one pass over the sampler's index (the prioritized samplers: two sum-tree
+        passes in one kernel made XLA:CPU copy every level twice)
     weigh(state, probability, size, shard_capacity) -> importance weights (global; None when selections carry no
         weights; ``shard_capacity``, static, is each shard's ring: slots of a per-shard index past it hold no item)
     deliverable(state, size) -> int32[]: what sample() can draw from now, compared with min_items (global; None
@@ -120,6 +125,8 @@ class Sampler(NamedTuple):
     # (state, slots int32[m], valid bool[m]) -> state, per shard: ``retire`` for a few named slots, without O(capacity)
     retire_slots: Optional[Callable[[Any, jax.Array, jax.Array], Any]] = None
     params: tuple = ()  # ((argument, value), ...) of the constructor call: rebuilds the sampler from a checkpoint
+    update_then_insert: Optional[Callable[..., Any]] = None
+    insert_then_update: Optional[Callable[..., Any]] = None
     window: int = 1  # steps per delivered sequence
     time_axis: bool = False  # deliveries carry a time axis [B, window, ...] (sequences, even of length 1)
     streams: int = 1  # environments per ingest step; batches hold multiples of it
@@ -157,8 +164,12 @@ def random_unit(bits):
     return (bits >> 8).astype(jnp.float32) * jnp.float32(1.0 / (1 << 24))
 
 
-def seed_key(seed: int) -> jax.Array:
-    return mix32(jnp.asarray(seed & 0xFFFFFFFF, jnp.uint32) + jnp.uint32(0x2545F491))
+def seed_key(seed) -> jax.Array:
+    """The key of ``random_bits``' streams for ``seed``: a Python int (taken mod 2**32) or a uint32 array (traced
+    too)."""
+    if isinstance(seed, int):
+        seed = seed & 0xFFFFFFFF
+    return mix32(jnp.asarray(seed, jnp.uint32) + jnp.uint32(0x2545F491))
 
 
 def rank_to_slot(rank, num_shards: int):
@@ -366,9 +377,10 @@ def _as_schedule(value, name: str, where: str):
     return lambda step: jnp.float32(value)
 
 
-def _priority_sampler(name: str, batch_size: int, alpha: float, beta, eps: float, on_insert,
+def _priority_sampler(name: str, batch_size: int, alpha: float, beta, eps: float, insert_run,
                       max_times_sampled: Optional[int]) -> Sampler:
-    """The sum-tree sampler shared by item and sequence replay; ``on_insert`` decides which slots become eligible.
+    """The sum-tree sampler shared by item and sequence replay; ``insert_run(state, InsertView) -> (first, masses,
+    valid)`` decides which slots become eligible: the run of leaves an insert writes (``sumtree.set_run``).
     With ``max_times_sampled`` k, an item's mass drops to 0 once it has been delivered k times; draws of one batch past
     an item's remaining budget are marked as not delivered (``Delivery.mask`` False) and do not count."""
     where = f"samplers.{name}()"
@@ -387,12 +399,16 @@ def _priority_sampler(name: str, batch_size: int, alpha: float, beta, eps: float
                              max_priority=jnp.ones((), jnp.float32), ignored_updates=jnp.zeros((), jnp.int32),
                              times_sampled=None if max_times_sampled is None else jnp.zeros((capacity,), jnp.int32))
 
-    def insert(state: PriorityState, view: InsertView):
-        state = on_insert(state, view)
+    def inserted(state: PriorityState, view: InsertView, levels):
+        """The state after an insert wrote ``levels``: the new items' delivery counts start at 0."""
         if max_times_sampled is None:
-            return state
+            return replace(state, levels=levels)
         fresh = jnp.where(view.valid, view.slots, view.shard_capacity)
-        return replace(state, times_sampled=state.times_sampled.at[fresh].set(0, mode="drop"))
+        return replace(state, levels=levels, times_sampled=state.times_sampled.at[fresh].set(0, mode="drop"))
+
+    def insert(state: PriorityState, view: InsertView):
+        first, masses, valid = insert_run(state, view)
+        return inserted(state, view, sumtree.set_run(state.levels, first, masses, valid, view.shard_capacity))
 
     def sample(state: PriorityState, view: ShardView):
         masses = _all_shards(sumtree.total(state.levels), view)
@@ -425,21 +441,45 @@ def _priority_sampler(name: str, batch_size: int, alpha: float, beta, eps: float
         w = jnp.power(size.astype(jnp.float32) * probability, -beta_at(step))
         return w / jnp.max(w)
 
-    def update(state: PriorityState, view: ShardView, ids, priorities, valid):
+    def update_leaves(state: PriorityState, view: ShardView, ids, priorities, valid, current):
+        """An update's leaf writes (slots, masses, live) and its effect on the other fields; ``current``: the leaves
+        before it."""
         rows, generation = ids[:, 0], ids[:, 1]
         slot = rows % view.shard_capacity
         mine = valid & (rows // view.shard_capacity == view.shard_index)
-        current = sumtree.leaf_values(state.levels, slot)
         # an id whose slot was rewritten since it was sampled names another item now: ignore it, never apply it
-        live = mine & (generation == storage.slot_generation(view.cursor, view.laps, slot)) & (current > 0)
-        values = _mass(priorities, alpha, eps, view.num_shards * view.shard_capacity)
-        levels = sumtree.set_leaves(state.levels, slot, values, live)
+        live = (mine & (generation == storage.slot_generation(view.cursor, view.laps, slot))
+                & (current.at[slot].get(mode="promise_in_bounds") > 0))
         top = jnp.max(jnp.where(live, priorities, 0.0))
         ignored = jnp.sum(mine & ~live).astype(jnp.int32)
         if view.num_shards > 1:
             top, ignored = lax.pmax(top, view.axes), lax.psum(ignored, view.axes)
-        return replace(state, levels=levels, max_priority=jnp.maximum(state.max_priority, top),
-                              ignored_updates=state.ignored_updates + ignored)
+        values = _mass(priorities, alpha, eps, view.num_shards * view.shard_capacity)
+        return (slot, values, live), dict(max_priority=jnp.maximum(state.max_priority, top),
+                                          ignored_updates=state.ignored_updates + ignored)
+
+    def update(state: PriorityState, view: ShardView, ids, priorities, valid):
+        (slot, values, live), fields = update_leaves(state, view, ids, priorities, valid, state.levels[-1])
+        return replace(state, levels=sumtree.set_leaves(state.levels, slot, values, live), **fields)
+
+    def update_then_insert(state: PriorityState, before: ShardView, view: InsertView, ids, priorities, valid):
+        """``update`` and then ``insert`` (``before``: the view before the insert) with one refresh of the tree:
+        both write the leaves, then every changed leaf's ancestors are refreshed from the final leaves."""
+        (slot, values, live), fields = update_leaves(state, before, ids, priorities, valid, state.levels[-1])
+        state = replace(state, **fields)  # the new items take the largest priority, this update's included
+        leaves = sumtree.write_leaves(state.levels[-1], slot, values, live)
+        first, masses, run_valid = insert_run(state, view)
+        leaves, ranges = sumtree.write_run(leaves, first, masses, run_valid, view.shard_capacity)
+        return inserted(state, view, sumtree.refresh((*state.levels[:-1], leaves), ranges, (slot, live)))
+
+    def insert_then_update(state: PriorityState, view: InsertView, after: ShardView, ids, priorities, valid):
+        """``insert`` and then ``update`` (``after``: the view after the insert) with one refresh of the tree."""
+        first, masses, run_valid = insert_run(state, view)
+        leaves, ranges = sumtree.write_run(state.levels[-1], first, masses, run_valid, view.shard_capacity)
+        (slot, values, live), fields = update_leaves(state, after, ids, priorities, valid, leaves)
+        leaves = sumtree.write_leaves(leaves, slot, values, live)
+        levels = sumtree.refresh((*state.levels[:-1], leaves), ranges, (slot, live))
+        return replace(inserted(state, view, levels), **fields)
 
     def retire(state: PriorityState, stale):
         """Zero the mass of every slot where ``stale`` (bool[shard capacity]): never drawn again until rewritten. The
@@ -456,7 +496,8 @@ def _priority_sampler(name: str, batch_size: int, alpha: float, beta, eps: float
 
     return Sampler(name=name, batch_size=batch_size, min_items=1, init=init,
                    on_insert=insert, sample=sample, update=update, weigh=weigh, retire=retire,
-                   retire_slots=retire_slots,
+                   retire_slots=retire_slots, update_then_insert=update_then_insert,
+                   insert_then_update=insert_then_update,
                    deliverable=None if max_times_sampled is None else _has_mass,
                    sampling_retires=max_times_sampled is not None, relayout=_relayout_priorities)
 
@@ -514,13 +555,11 @@ def prioritized(batch_size: int, alpha: float = 0.6, beta=0.4, eps: float = 1e-6
     if normalise not in ("batch", "buffer"):
         raise ConfigError(f"samplers.prioritized(): normalise must be 'batch' or 'buffer', got {normalise!r}")
 
-    def on_insert(state: PriorityState, view: InsertView):
+    def insert_run(state: PriorityState, view: InsertView):
         value = _mass(state.max_priority, alpha, eps, view.num_shards * view.shard_capacity)
-        levels = sumtree.set_run(state.levels, view.slots[0], jnp.full(view.slots.shape, value), view.valid,
-                                 view.shard_capacity)
-        return replace(state, levels=levels)
+        return view.slots[0], jnp.full(view.slots.shape, value), view.valid
 
-    base = _priority_sampler("prioritized", batch_size, alpha, beta, eps, on_insert, max_times_sampled)
+    base = _priority_sampler("prioritized", batch_size, alpha, beta, eps, insert_run, max_times_sampled)
     extra = {} if normalise == "batch" else {"normalise": normalise}  # older checkpoints' metadata stays as it was
     params = _params(batch_size=batch_size, alpha=alpha, beta=beta, eps=eps, max_times_sampled=max_times_sampled,
                      **extra)
@@ -602,7 +641,7 @@ def sequences(batch_size: int, length: int, streams: int, *, burn_in: int = 0, p
         _as_schedule(beta, "beta", "samplers.sequences()")
         return _uniform_windows(batch_size, window, streams, tuple(end_keys), mask, params)
 
-    def on_insert(state: PriorityState, view: InsertView):
+    def insert_run(state: PriorityState, view: InsertView):
         stride = streams // view.num_shards
         k = view.slots.shape[0]
         # each new row completes the window that starts window-1 steps earlier in its stream
@@ -636,14 +675,14 @@ def sequences(batch_size: int, length: int, streams: int, *, burn_in: int = 0, p
         no_step = jnp.zeros((back_steps,), jnp.bool_)
         values = jnp.concatenate([jnp.where(eligible, value, 0.0), jnp.zeros((back_steps,), jnp.float32)])
         valid = jnp.concatenate([view.valid, no_step]) | jnp.concatenate([no_step, view.valid])
-        first = (view.slots[0] - back_steps) % view.shard_capacity
-        levels = sumtree.set_run(state.levels, first, values, valid, view.shard_capacity)
-        return replace(state, levels=levels)
+        return (view.slots[0] - back_steps) % view.shard_capacity, values, valid
 
-    base = _priority_sampler("sequences", batch_size, exponent, beta, eps, on_insert, max_times_sampled)
+    base = _priority_sampler("sequences", batch_size, exponent, beta, eps, insert_run, max_times_sampled)
     return base._replace(params=params, window=window, time_axis=True, streams=streams, needs=tuple(end_keys),
                          mask=mask if pad else None,
                          weigh=base.weigh if weighted else None, update=base.update if weighted else None,
+                         update_then_insert=base.update_then_insert if weighted else None,
+                         insert_then_update=base.insert_then_update if weighted else None,
                          deliverable=_has_mass)
 
 

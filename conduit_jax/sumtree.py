@@ -106,18 +106,8 @@ def set_leaves(levels, slots, values, valid, arity: int = ARITY):
     Duplicate slots are allowed (one of the values wins); invalid entries change nothing.
     """
     levels = list(levels)
-    leaves = levels[-1]
-    out_of_range = leaves.shape[0]  # dropped by the scatter
-    target = jnp.where(valid, slots, out_of_range)
-    levels[-1] = leaves.at[target].set(values.astype(jnp.float32), mode="drop")
-    node = slots
-    offsets = lax.iota(jnp.int32, arity)
-    for index in range(len(levels) - 2, -1, -1):
-        node = node // arity
-        children = levels[index + 1].at[node[:, None] * arity + offsets].get(mode="promise_in_bounds")
-        sums = child_sums(children)
-        levels[index] = levels[index].at[jnp.where(valid, node, levels[index].shape[0])].set(sums, mode="drop")
-    return tuple(levels)
+    levels[-1] = write_leaves(levels[-1], slots, values, valid)
+    return refresh(levels, [], (slots, valid), arity)
 
 
 def from_leaves(leaves, num_levels: int, arity: int = ARITY) -> tuple[jax.Array, ...]:
@@ -143,7 +133,20 @@ def set_run(levels, first, values, valid, num_slots: int, arity: int = ARITY):
     slot-by-slot rule, so where they overlap the second rewrites what the first wrote. Each level is written for
     both windows before the level above reads it."""
     levels = list(levels)
-    k, leaves = values.shape[0], levels[-1]
+    levels[-1], ranges = write_run(levels[-1], first, values, valid, num_slots)
+    return refresh(levels, ranges, None, arity)
+
+
+def write_leaves(leaves, slots, values, valid):
+    """``set_leaves``' writes into the leaf level alone (its ancestors not refreshed)."""
+    out_of_range = leaves.shape[0]  # dropped by the scatter
+    return leaves.at[jnp.where(valid, slots, out_of_range)].set(values.astype(jnp.float32), mode="drop")
+
+
+def write_run(leaves, first, values, valid, num_slots: int):
+    """``set_run``'s writes into the leaf level alone (its ancestors not refreshed): the new leaf level and the
+    changed slots' windows ``[(start, span)]``."""
+    k = values.shape[0]
     window = min(k, leaves.shape[0])
     # the second window starts at 0, written as min(first, 0) (first >= 0): an update at an offset XLA can see is a
     # constant gets rewritten into an op over the whole level, far slower than the slice
@@ -158,19 +161,37 @@ def set_run(levels, first, values, valid, num_slots: int, arity: int = ARITY):
         old = lax.dynamic_slice_in_dim(leaves, start, window)
         leaves = lax.dynamic_update_slice_in_dim(leaves, jnp.where(chosen, values[source].astype(jnp.float32), old),
                                                  start, 0)
-    levels[-1] = leaves
-    ranges = [(start, window) for start in starts]  # changed nodes of the level below: [low, low + span)
+    return leaves, [(start, window) for start in starts]
+
+
+def refresh(levels, ranges: list, scattered, arity: int = ARITY) -> tuple:
+    """Every ancestor of changed leaves, level by level from the leaves up, as the float32 sum of its children:
+    those over the slot windows ``ranges`` ``[(start, span)]`` (``write_run``'s) by contiguous slices, those of the
+    ``scattered`` ``(slots, valid)`` (``write_leaves``') one by one. Each level is written whole, both kinds computed
+    from the finished level below, before the level above reads it.
+
+    Writes from several sources (an insert's run, then a priority update) go into the leaves first and are refreshed
+    here once: two refreshing passes in one kernel (any two of ``set_run`` / ``set_leaves``) made XLA:CPU copy every
+    level twice, 8 MB a call at a 100,000-slot shard."""
+    levels = list(levels)
+    offsets = lax.iota(jnp.int32, arity)
+    node = None if scattered is None else scattered[0]
     for index in range(len(levels) - 2, -1, -1):
         width, below = levels[index].shape[0], levels[index + 1]
         updates = []
-        for low, span in ranges:
+        for low, span in ranges:  # changed nodes of the level below: [low, low + span)
             count = min(width, span // arity + 2)
-            node = jnp.clip(low // arity, 0, width - count)
-            children = lax.dynamic_slice_in_dim(below, node * arity, count * arity)
-            updates.append((node, count, child_sums(children.reshape(count, arity))))
+            first_node = jnp.clip(low // arity, 0, width - count)
+            children = lax.dynamic_slice_in_dim(below, first_node * arity, count * arity)
+            updates.append((first_node, count, child_sums(children.reshape(count, arity))))
+        if scattered is not None:
+            node = node // arity
+            sums = child_sums(below.at[node[:, None] * arity + offsets].get(mode="promise_in_bounds"))
         level = levels[index]
-        for node, _, sums in updates:
-            level = lax.dynamic_update_slice_in_dim(level, sums, node, 0)
+        for first_node, _, run_sums in updates:
+            level = lax.dynamic_update_slice_in_dim(level, run_sums, first_node, 0)
+        if scattered is not None:
+            level = level.at[jnp.where(scattered[1], node, width)].set(sums, mode="drop")
         levels[index] = level
-        ranges = [(node, count) for node, count, _ in updates]
+        ranges = [(first_node, count) for first_node, count, _ in updates]
     return tuple(levels)

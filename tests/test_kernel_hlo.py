@@ -87,19 +87,24 @@ def test_byte_ring_kernels_do_not_copy_the_ring(sampler):
         assert large_copies(kernel.compile().as_text()) == [], name
 
 
-def test_pending_updates_and_staged_rows_go_in_two_kernels():
-    """An ingest-sample-update loop: an update given before rows were staged is applied by a kernel of its own, then
-    the rows are written (one kernel doing both made XLA:CPU copy every sum-tree level twice); the update's kernel
-    copies no level either."""
-    plane = ExperienceDataPlane(SPEC, CAPACITY, SAMPLERS["prioritized"](), mesh=default_mesh(1))
+@pytest.mark.parametrize("sampler", ["prioritized", "sequences_prioritized"])
+def test_updates_and_staged_rows_go_in_one_kernel_that_copies_no_level(sampler):
+    """An ingest-sample-update loop: an update given before rows were staged is applied by the kernel that writes
+    them, in one pass over the sum tree (two passes in one kernel made XLA:CPU copy every level twice); so is an
+    update given after the rows (``pend(after_staged=True)``). Neither kernel copies a level."""
+    plane = ExperienceDataPlane(SPEC, CAPACITY, SAMPLERS[sampler](), mesh=default_mesh(1))
     plane.ingest(batch(1000))
     for step in range(3):
         delivery = plane.sample()
-        plane.update_priorities(delivery.ids, np.ones(32, np.float32))
+        plane.update_priorities(delivery.ids, np.ones(delivery.ids.shape[0], np.float32))
         plane.ingest(batch(8, step))
     names = list(plane.compile_counts())
-    assert "update[32]" in names and not [name for name in names if "update" in name and "ingest" in name], names
-    assert large_copies(plane.engine.lowered("update", np.zeros((32, 4), np.int32)).compile().as_text()) == []
+    assert [name for name in names if name.startswith("update[") and "+ingest[" in name], names
+    assert not [name for name in names if name.startswith("update[") and "ingest" not in name], names
+    engine, updates = plane.engine, np.zeros((32, 4), np.int32)
+    block = plane.config.layout.pack_host(jax.tree_util.tree_leaves(batch(8, 9)), 0, 8, 8)
+    for kernel, args in (("update+ingest", (updates, 8, block, 8)), ("ingest+update", (8, block, 8, updates))):
+        assert large_copies(engine.lowered(kernel, *args).compile().as_text()) == [], kernel
 
 
 def test_the_check_finds_a_full_copy():

@@ -379,8 +379,10 @@ def test_no_recompilation_across_samples_updates_and_ingests(mesh):
     buckets = {part for name in sizes for part in name.split("+") if part.startswith(("ingest[", "update["))}
     assert len({b for b in buckets if b.startswith("ingest[")}) == 1, sizes
     assert len({b for b in buckets if b.startswith("update[")}) == 1, sizes
-    # an update given before rows were staged runs in a kernel of its own (engine._dispatch): none carries both
-    assert not [name for name in sizes if "update[" in name and "ingest[" in name], sizes
+    # an update given before rows were staged rides the kernel that writes them (engine._dispatch: one pass over
+    # the sum tree), never a kernel of its own in this loop
+    assert [name for name in sizes if name.startswith("update[") and "+ingest[" in name], sizes
+    assert not [name for name in sizes if name.startswith("update[") and "ingest[" not in name], sizes
 
 
 # -- float32 safety through the plane -------------------------------------------------------------------------------
@@ -439,3 +441,44 @@ def test_max_times_sampled_delivers_each_item_that_often_then_refuses(status_rea
     delivery = plane.sample()
     assert set(np.asarray(delivery.data["id"])[np.asarray(delivery.mask)].tolist()) == {16}
     assert len(reads) == 1
+
+
+# -- an update and an ingest in one pass over the sum tree ------------------------------------------------------------
+@pytest.mark.parametrize("order", ["update_before", "then_update"])
+@pytest.mark.parametrize("sampler", ["prioritized", "sequences"])
+def test_an_update_and_an_ingest_in_one_kernel_equal_the_two_in_turn(mesh, sampler, order):
+    """``replay.ingest(..., update_before=...)`` / ``(..., then_update=...)`` (one pass over the sum tree: the
+    sampler's ``update_then_insert`` / ``insert_then_update``) leave bit for bit the state that ``update`` and then
+    ``ingest`` (resp. the reverse) leave, with some updated items overwritten by the write (their updates ignored
+    after it, applied and then overwritten before it) and new items taking the largest priority seen by then."""
+    from conduit_jax import replay
+
+    if sampler == "prioritized":
+        plane = make_plane(mesh, 64, samplers.prioritized(8, alpha=0.7))
+        ingest_range(plane, 0, 56)
+        batch = {"g": jax.numpy.arange(56, 72, dtype=jax.numpy.int32)}
+    else:  # windows of 3 steps of 8 streams, episodes of 5 steps
+        spec = dict(SPEC, terminated=jax.ShapeDtypeStruct((), np.bool_), truncated=jax.ShapeDtypeStruct((), np.bool_))
+        plane = ExperienceDataPlane(spec, 64, samplers.sequences(8, 3, streams=8, alpha=0.7), mesh=mesh)
+        g = np.arange(72, dtype=np.int32)
+        items = {"g": g, "terminated": (g // 8) % 5 == 4, "truncated": np.zeros(72, bool)}
+        plane.ingest({k: v[:56] for k, v in items.items()})
+        batch = {k: jax.numpy.asarray(v[56:]) for k, v in items.items()}
+    config, state = plane.config, plane.engine.state
+    shards = plane.num_shards
+    g = np.array([0, 3, 8, 17, 30, 41, 50, 55], np.int64)  # 0..7: overwritten by the 16 new items (56..71)
+    ids = np.stack([row_of(g, shards, 64), ids_of(g, shards, 64)[:, 1]], axis=1).astype(np.int32)
+    priorities = np.linspace(0.5, 40.0, len(g)).astype(np.float32)
+    update = (jax.numpy.asarray(ids), jax.numpy.asarray(priorities), jax.numpy.ones(len(g), bool))
+    if order == "update_before":
+        one = jax.jit(lambda st: replay.ingest(config, st, batch, 16, update_before=update))(state)
+        two = jax.jit(lambda st: replay.ingest(config, st.replace(sampler=replay.update(config, st, *update)), batch,
+                                               16))(state)
+    else:
+        one = jax.jit(lambda st: replay.ingest(config, st, batch, 16, then_update=update))(state)
+        written = jax.jit(lambda st: replay.ingest(config, st, batch, 16))(state)
+        two = written.replace(sampler=jax.jit(lambda st: replay.update(config, st, *update))(written))
+    for a, b in zip(jax.tree_util.tree_leaves(one), jax.tree_util.tree_leaves(two)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    if sampler == "prioritized":  # g 0 and 3 are overwritten: updated and rewritten, or ignored after the write
+        assert int(one.sampler.ignored_updates) == (0 if order == "update_before" else 2)
