@@ -156,9 +156,8 @@ class EpisodeStore(LoggedMetrics):
         self._last_ids = None
         # the schedule: the batches drawn ahead (for a request), where they are drawn, the deferred updates
         self._scheduler = Scheduler(SCHEDULES[self.schedule], threading.RLock(), self.storage_capacity, None,
-                                    draw=self._draw_for, admits=lambda: len(self._index.order) > 0, pend=self._pend,
+                                    draw=self._draw, admits=lambda: len(self._index.order) > 0, pend=self._pend,
                                     refresh=lambda drawn: drawn, threaded=False, updates=self._prioritized)
-        self._riding: tuple = ()  # a priority update the next draw applies after its adds (update_priorities)
         # per n-step range (PER's redraw): the share of drawn candidates whose window fitted, smoothed; sizes the
         # next draw (1.0 until a draw says otherwise)
         self._fit_share: dict = {}
@@ -195,7 +194,7 @@ class EpisodeStore(LoggedMetrics):
         self._given = set()
         self._links = jnp.full((3, self.storage_capacity), -1, jnp.int32)
 
-    _OUTPUTS = {"settle": 0, "draw": 4, "update_draw": 4, "sequences": 1, "slices": 4, "gather": 1}  # after links
+    _OUTPUTS = {"settle": 0, "draw": 4, "sequences": 1, "slices": 4, "gather": 1}  # after links
 
     def _call(self, kind: str, static: tuple, *args) -> list:
         """Run step ``kind`` for ``static`` in the engine's kernel: the pending priority updates, the staged rows,
@@ -213,9 +212,8 @@ class EpisodeStore(LoggedMetrics):
 
     def _step(self, kind: str, static: tuple):
         """The pure draw ``kind`` over the core's state and the links (``draws.py``)."""
-        if kind in ("draw", "update_draw"):
-            draw = draws.make_draw(self._buffer, self._spec.names, self._prioritized, *static)
-            return draws.make_update_draw(self._buffer(self.num_shards).update, draw) if kind == "update_draw" else draw
+        if kind == "draw":
+            return draws.make_draw(self._buffer, self._spec.names, self._prioritized, *static)
         make = {"sequences": draws.make_sequences, "slices": draws.make_slices, "gather": draws.make_gather}[kind]
         return make(self._buffer, self._spec.names, *static)
 
@@ -469,19 +467,13 @@ class EpisodeStore(LoggedMetrics):
         self.timings["sample"] += time.perf_counter() - start
         return out
 
-    def _draw_for(self, request: Request, timeout=None, recycle=None) -> Drawn:
-        """The scheduler's draw: ``_draw`` for ``request``, with the priority update waiting to ride it."""
-        update, self._riding = self._riding, ()
-        return self._draw(request, update)
-
     def _pend(self, checked: tuple) -> None:
         """Queue checked priority updates (the scheduler's deferred ones) for the next kernel."""
         self._engine.pend(checked)
 
-    def _draw(self, request: Request, update: tuple = ()) -> Drawn:
+    def _draw(self, request: Request, timeout=None, recycle=None) -> Drawn:
         """Dispatch one draw kernel for ``request`` (JAX runs it asynchronously; reading a result waits for it),
-        after the pending priority updates, the adds given since the last kernel and then the priority update
-        ``(ids, values)`` when one is given (all in the same kernel)."""
+        after the pending priority updates and the adds given since the last kernel (the scheduler's ``draw``)."""
         padded = request.size + (-request.size) % self.num_shards  # a multiple of the shard count
         low, high = request.n_range
         redraw = self._redraws and high > 1
@@ -492,7 +484,7 @@ class EpisodeStore(LoggedMetrics):
         static = (candidates, padded, compile_size(high), redraw)
         n = self.rng.integers(low, high + 1, size=candidates, dtype=np.int32) if low < high else \
             np.full(candidates, low, np.int32)
-        columns, ids, enough, fitting = self._call("update_draw" if update else "draw", static, *update, n,
+        columns, ids, enough, fitting = self._call("draw", static, n,
                                                    np.float32(request.beta), np.float32(request.gamma),
                                                    np.uint32(self.seed), np.uint32(self._draws))
         self._draws += 1
@@ -536,29 +528,22 @@ class EpisodeStore(LoggedMetrics):
         if not np.all(np.isfinite(values)):
             raise ValueError(f"{name}.update_priorities(): priorities must be finite, got "
                              f"{values[~np.isfinite(values)][:4].tolist()} (nothing was updated)")
-        # RLlib's order: an add made before this update is in the buffer first (its new steps take the largest
-        # priority seen before the update), while the engine applies pending updates before staged rows; so after
-        # an add the update rides the draw the schedule makes now (``Scheduler.updated``) as its step's argument,
-        # or the add is written first
-        scheduler = self._scheduler
-        added = bool(self._adds or self._retiring or self._engine.staged_items)
         ids = np.asarray(self._last_ids)
         named = (ids[:, 0] >= 0) & (ids[:, 1] >= 1)  # a refused draw's -1 ids name no step (skipped, as there)
         update = (ids[named].astype(np.int32), values[named])
-        if added and scheduler.draws_on_update:
-            self._riding = (self._last_ids, values)  # the draw's own argument: one shape per batch size
-        else:
-            if added:
-                self._settle()
-            if scheduler.schedule.defer:
-                scheduler.report_update(*update)  # applied by the draw after the next sample() at the latest
-            else:
-                self._engine.pend(update)  # the next kernel applies it first
-        scheduler.updated()  # where the schedule draws after an update: the next batch now (during the env rollout)
-        if self._riding:  # the schedule drew nothing: the adds are written first, then the update
-            self._riding = ()
+        # RLlib's order: an add made before this update is in the buffer first (its new steps take the largest
+        # priority seen before the update; the steps it evicted are gone, their updates skipped)
+        scheduler = self._scheduler
+        if self._retiring:
             self._settle()
-            self._engine.pend(update)
+        if scheduler.draws_on_update or not scheduler.schedule.defer:
+            # applied right after the adds' staged rows, by the kernel that writes them (one pass over the sum tree:
+            # the rows and an update in two made XLA:CPU copy every level twice), or by the next kernel
+            self._engine.pend(update, after_staged=True)
+        else:
+            self._settle()
+            scheduler.report_update(*update)  # applied by the draw after the next sample() at the latest
+        scheduler.updated()  # where the schedule draws after an update: the next batch now (during the env rollout)
         self._last_ids = None
         self.timings["update_priorities"] += time.perf_counter() - start
 
@@ -595,6 +580,10 @@ class EpisodeStore(LoggedMetrics):
                 "priority_updates_ignored": ignored, "sample_kernels": self._draws,
                 "drawn_ahead_after_update": counts["after_update"],
                 "drawn_ahead_after_sample": counts["after_delivery"], "drawn_ahead_waited": counts["waited"]}
+
+    def compile_counts(self) -> dict[str, int]:
+        """XLA compilations per kernel so far (the core engine's ``compile_counts``); a steady loop adds none."""
+        return {} if self._engine is None else self._engine.compile_counts()
 
     # -- state ----------------------------------------------------------------------------------------------------
     def _config(self) -> dict:
