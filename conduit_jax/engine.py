@@ -203,8 +203,8 @@ class Engine:
     updates and the rows in one pass over the sampler's index; see ``_dispatch``), except that a step given with
     ``rows_apart`` runs after a kernel that writes the rows; ``flush`` runs a kernel for just those. So whatever
     reads the state (a draw, ``state``, ``status``, ``run``) sees everything given before it. An update given while
-    rows are staged applies before them, unless given with ``pend(after_staged=True)``; a caller that wants program
-    order either flushes first (the plane does) or passes that.
+    rows are staged applies before them, unless given with ``pend(after_staged=True)`` (program order, as the plane
+    gives its updates).
 
     Not thread-safe: the caller serialises calls (the plane holds its lock around each), except ``pend``, a deque
     append that any thread may make. ``state`` may be None (freed, e.g. before a restore reads the saved one);

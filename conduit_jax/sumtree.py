@@ -120,10 +120,6 @@ def from_leaves(leaves, num_levels: int, arity: int = ARITY) -> tuple[jax.Array,
     return tuple(reversed(levels))
 
 
-def leaf_values(levels, slots):
-    return levels[-1].at[slots].get(mode="promise_in_bounds")
-
-
 def set_run(levels, first, values, valid, num_slots: int, arity: int = ARITY):
     """``set_leaves`` for a run of consecutive slots: slot ``(first + i) % num_slots`` gets ``values[i]`` where
     ``valid[i]``. An ingest writes such a run; refreshing ancestors by contiguous slices reads each affected node's

@@ -210,11 +210,25 @@ def test_invalid_entries_change_nothing():
         np.testing.assert_array_equal(old.view(np.uint32), new.view(np.uint32))
 
 
-def test_leaf_values_reads_back_leaves():
-    values = np.linspace(0, 5, 33, dtype=np.float32)
-    levels = build(values, 16)
-    slots = jnp.asarray([0, 7, 32, 32], jnp.int32)
-    np.testing.assert_array_equal(sumtree.leaf_values(levels, slots), values[[0, 7, 32, 32]])
+@pytest.mark.parametrize("first", [40, 4090])  # a run inside the ring, and one that wraps to slot 0
+def test_writes_from_two_sources_and_one_refresh_equal_the_two_in_turn(first):
+    """A run and scattered leaves written into the leaves (either order) and refreshed once give bit for bit the tree
+    that set_run and set_leaves in turn give: every ancestor is the float32 sum of its children as they end up."""
+    rng = np.random.default_rng(3)
+    num_slots = 4096 - 3  # a ring shorter than the leaf level
+    levels = build((rng.random(num_slots) * 4).astype(np.float32), 16)
+    run = jnp.asarray(rng.random(9) * 7, jnp.float32), jnp.asarray(rng.random(9) < 0.8)
+    slots = jnp.asarray(np.r_[rng.integers(0, num_slots, 14), first + 1, first + 1], jnp.int32)  # in the run, twice
+    values, valid = jnp.asarray(rng.random(16) * 9, jnp.float32), jnp.asarray(rng.random(16) < 0.9)
+    leaves, ranges = sumtree.write_run(levels[-1], jnp.int32(first), *run, num_slots)
+    one = sumtree.refresh((*levels[:-1], sumtree.write_leaves(leaves, slots, values, valid)), ranges, (slots, valid))
+    two = set_leaves(sumtree.set_run(levels, jnp.int32(first), *run, num_slots), slots, values, valid)
+    leaves = sumtree.write_leaves(levels[-1], slots, values, valid)
+    leaves, ranges = sumtree.write_run(leaves, jnp.int32(first), *run, num_slots)
+    one_reversed = sumtree.refresh((*levels[:-1], leaves), ranges, (slots, valid))
+    two_reversed = sumtree.set_run(set_leaves(levels, slots, values, valid), jnp.int32(first), *run, num_slots)
+    for got, want in zip(one + one_reversed, two + two_reversed):
+        np.testing.assert_array_equal(np.asarray(got).view(np.uint32), np.asarray(want).view(np.uint32))
 
 
 # -- float32 soak ---------------------------------------------------------------------------------------------------
