@@ -8,7 +8,8 @@ counts, metrics and state. An add dispatches no kernel: its rows are staged (``E
 host copy), its links and the retirement of the steps it evicts wait on the host, and the next kernel that runs
 anyway (a draw) writes them all before it draws, in one dispatch: the draws are engine steps (``Engine.add_step`` /
 ``Engine.call``), compiled once per layout and static arguments and shared by stores configured alike in a process.
-Priority updates wait in the engine (``Engine.pend``) for the next kernel too.
+Priority updates wait in the engine too (``Engine.pend(after_staged=True)``: the kernel that writes the adds given
+before an update applies it right after them, in one pass over the sum tree).
 
 How: steps are items of a Conduit buffer (``samplers.prioritized``; ``alpha=0`` for the uniform class) in a ring of
 ``2 * capacity`` steps, so the steps RLlib keeps are always stored while evicted ones wait to be overwritten
