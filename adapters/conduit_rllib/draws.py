@@ -53,8 +53,7 @@ class Drawn(NamedTuple):
     request: Request
     columns: dict
     ids: jax.Array
-    enough: jax.Array  # bool[]: enough windows fitted (PER's redraw)
-    fitting: jax.Array  # int32[]: how many of the candidates' windows fitted
+    fitting: jax.Array  # int32[]: how many of the candidates' windows fitted (0: the draw found nothing to draw)
     candidates: int  # steps drawn by priority
 
 
@@ -108,7 +107,7 @@ def joined(parts: list) -> Drawn:
     first = parts[0][0]
     columns = {k: jnp.concatenate([drawn.columns[k][:take] for drawn, take in parts]) for k in first.columns}
     ids = jnp.concatenate([drawn.ids[:take] for drawn, take in parts])
-    return Drawn(first.request, columns, ids, jnp.asarray(True), jnp.int32(ids.shape[0]), first.candidates)
+    return Drawn(first.request, columns, ids, np.int32(ids.shape[0]), first.candidates)
 
 
 def to_host(tree):
@@ -230,7 +229,7 @@ def make_draw(buffer_for, names, prioritized: bool, candidates: int, size: int, 
         columns = window_columns(names, delivery.data, end, window)
         columns["weights"] = weights.astype(jnp.float32)
         columns = {k: v[order] for k, v in columns.items()}
-        return state, columns, delivery.ids[order], (fitting >= size) & delivery.valid, fitting
+        return state, columns, delivery.ids[order], fitting
 
     return draw
 

@@ -195,7 +195,7 @@ class EpisodeStore(LoggedMetrics):
         self._given = set()
         self._links = jnp.full((3, self.storage_capacity), -1, jnp.int32)
 
-    _OUTPUTS = {"settle": 0, "draw": 4, "sequences": 1, "slices": 4, "gather": 1}  # after links
+    _OUTPUTS = {"settle": 0, "draw": 3, "sequences": 1, "slices": 4, "gather": 1}  # after links
 
     def _call(self, kind: str, static: tuple, *args) -> list:
         """Run step ``kind`` for ``static`` in the engine's kernel: the pending priority updates, the staged rows,
@@ -400,7 +400,8 @@ class EpisodeStore(LoggedMetrics):
     def _fitted(self, drawn: Drawn) -> bool:
         """Whether ``drawn`` has enough fitting windows (waits for its kernel). What share of its candidates fitted
         sizes the next draws of its n-step range: smoothed, or at once the observed share when too few fitted."""
-        enough, observed = bool(drawn.enough), int(drawn.fitting) / drawn.candidates
+        fitting, size = int(drawn.fitting), drawn.request.size
+        enough, observed = fitting >= size + (-size) % self.num_shards, fitting / drawn.candidates
         smoothed = 0.5 * self._fit_share.get(drawn.request.n_range, 1.0) + 0.5 * observed
         self._fit_share[drawn.request.n_range] = smoothed if enough else min(smoothed, observed)
         return enough
@@ -485,13 +486,13 @@ class EpisodeStore(LoggedMetrics):
         static = (candidates, padded, compile_size(high), redraw)
         n = self.rng.integers(low, high + 1, size=candidates, dtype=np.int32) if low < high else \
             np.full(candidates, low, np.int32)
-        columns, ids, enough, fitting = self._call("draw", static, n,
+        columns, ids, fitting = self._call("draw", static, n,
                                                    np.float32(request.beta), np.float32(request.gamma),
                                                    np.uint32(self.seed), np.uint32(self._draws))
         self._draws += 1
         if padded != request.size:
             columns, ids = {k: v[:request.size] for k, v in columns.items()}, ids[:request.size]
-        return Drawn(request, columns, ids, enough, fitting, candidates)
+        return Drawn(request, columns, ids, fitting, candidates)
 
     def n_range(self, n_step) -> tuple[int, int]:
         """The n-steps to draw from, inclusive (``draws.n_range``)."""
