@@ -97,6 +97,7 @@ READABLE_VERSIONS = (1, 2, 3, 4)
 _ARRAYS, _META = "arrays", "meta"
 _ROWS = "storage.rows"
 _DELTA = "delta.rows"
+_REBUILT = "sampler.smallest."  # state leaves a restore rebuilds from the others when a checkpoint lacks them
 _CHUNK_BYTES = 32 << 20
 # How a full save copies the state under the plane's lock: None picks by platform (CPU devices: memcpy into host
 # buffers; accelerators: one jitted on-device copy, dispatched asynchronously, written back in the
@@ -631,14 +632,19 @@ def restore(directory, build, *, step: Optional[int] = None, mesh: Optional[Mesh
     # the streams interleaved per shard in the saved rings' row order (version 1: slot order, i.e. one stream)
     saved_streams = storage.streams_per_shard(config.sampler.streams, saved_shards) \
         if chain[0][1]["format_version"] >= 2 else 1
-    if saved_shards == config.num_shards:
+    # a leaf the sampler rebuilds from its others that the checkpoint lacks (saved before the sampler kept it, e.g.
+    # the smallest-mass tree of a buffer-normalised prioritized sampler): rebuilt by the relayout path
+    rebuilt = {name for name in targets if name.startswith(_REBUILT)} - set.intersection(
+        *(set(meta["arrays"]) for _, meta in chain))
+    same_layout = saved_shards == config.num_shards and not rebuilt
+    if same_layout:
         state = _restore_same_layout(directory, chain, config, targets, saved_streams, where, timings)
     else:
         state = _restore_relayout(directory, chain, config, shardings, targets, saved_shards, saved_streams, where,
                                   timings)
     plane = build(saved_spec, saved_capacity, config.sampler, limiter=config.limiter, staleness=config.staleness,
                   cast=bool(meta.get("cast", False)), state=jax.block_until_ready(state), **extra)
-    if saved_shards == config.num_shards:  # the next incremental save here continues this chain
+    if same_layout:  # the next incremental save here continues this chain
         _lineages.setdefault(plane, {})[directory] = _Lineage(step, _field(meta, "lineage", str, where),
                                                               tuple(int(c) for c in meta["counts"]))
     timings["total"] = time.perf_counter() - start

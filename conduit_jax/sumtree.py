@@ -47,6 +47,17 @@ def child_sums(children):
     return total
 
 
+def smallest_positive(children):
+    """Row minima of ``children`` [..., K] over their positive entries (inf where none is): the combine of a
+    smallest-mass tree (``refresh`` / ``from_leaves`` with ``combine=smallest_positive``), whose nodes are inf or
+    positive, so one rule serves every level. K explicit minima, as ``child_sums`` adds."""
+    positive = jnp.where(children > 0, children, jnp.inf)
+    smallest = positive[..., 0]
+    for j in range(1, children.shape[-1]):
+        smallest = jnp.minimum(smallest, positive[..., j])
+    return smallest
+
+
 def pick(block, target):
     """Index of the child of ``block`` [..., K] (non-negative masses) whose cumulative range holds ``target``, the
     remainder of the target inside that child, and the child's mass. Never returns a zero-mass child while the block
@@ -110,13 +121,13 @@ def set_leaves(levels, slots, values, valid, arity: int = ARITY):
     return refresh(levels, [], (slots, valid), arity)
 
 
-def from_leaves(leaves, num_levels: int, arity: int = ARITY) -> tuple[jax.Array, ...]:
+def from_leaves(leaves, num_levels: int, arity: int = ARITY, combine=child_sums) -> tuple[jax.Array, ...]:
     """Levels (root first) over a leaf level: every node the float32 sum of its children in ``child_sums``' order.
     One pass per level, O(leaves): for changes to most leaves at once (retiring stale items, re-laying out a
     checkpoint), where refreshing each changed leaf's ancestors would read K children per leaf per level."""
     levels = [jnp.asarray(leaves, jnp.float32)]
     for _ in range(num_levels - 1):
-        levels.append(child_sums(levels[-1].reshape(-1, arity)))
+        levels.append(combine(levels[-1].reshape(-1, arity)))
     return tuple(reversed(levels))
 
 
@@ -160,8 +171,9 @@ def write_run(leaves, first, values, valid, num_slots: int):
     return leaves, [(start, window) for start in starts]
 
 
-def refresh(levels, ranges: list, scattered, arity: int = ARITY) -> tuple:
-    """Every ancestor of changed leaves, level by level from the leaves up, as the float32 sum of its children:
+def refresh(levels, ranges: list, scattered, arity: int = ARITY, combine=child_sums) -> tuple:
+    """Every ancestor of changed leaves, level by level from the leaves up, as the float32 sum of its children
+    (``combine``: another rule, e.g. ``smallest_positive``):
     those over the slot windows ``ranges`` ``[(start, span)]`` (``write_run``'s) by contiguous slices, those of the
     ``scattered`` ``(slots, valid)`` (``write_leaves``') one by one. Each level is written whole, both kinds computed
     from the finished level below, before the level above reads it.
@@ -179,10 +191,10 @@ def refresh(levels, ranges: list, scattered, arity: int = ARITY) -> tuple:
             count = min(width, span // arity + 2)
             first_node = jnp.clip(low // arity, 0, width - count)
             children = lax.dynamic_slice_in_dim(below, first_node * arity, count * arity)
-            updates.append((first_node, count, child_sums(children.reshape(count, arity))))
+            updates.append((first_node, count, combine(children.reshape(count, arity))))
         if scattered is not None:
             node = node // arity
-            sums = child_sums(below.at[node[:, None] * arity + offsets].get(mode="promise_in_bounds"))
+            sums = combine(below.at[node[:, None] * arity + offsets].get(mode="promise_in_bounds"))
         level = levels[index]
         for first_node, _, run_sums in updates:
             level = lax.dynamic_update_slice_in_dim(level, run_sums, first_node, 0)

@@ -24,6 +24,7 @@ SAMPLERS = {
     "fifo": lambda: samplers.fifo(32),
     "epochs": lambda: samplers.epochs(32),
     "prioritized": lambda: samplers.prioritized(32, max_times_sampled=3),
+    "prioritized_buffer": lambda: samplers.prioritized(32, normalise="buffer"),  # keeps the smallest-mass tree
     "sequences": lambda: samplers.sequences(8, 4, streams=8),
     "sequences_pad": lambda: samplers.sequences(8, 4, streams=8, pad=True),
     "sequences_prioritized": lambda: samplers.sequences(8, 4, streams=8, alpha=0.6),

@@ -47,7 +47,7 @@ from conduit_rllib.metrics import BufferMetrics, LoggedMetrics
 logger = logging.getLogger("conduit_rllib.buffers")  # a buffer's warnings come from its public module
 
 STATE_FORMAT = "conduit_rllib.episode_replay_buffer"
-STATE_VERSION = 3
+STATE_VERSION = 4  # 4: the sampler state holds the smallest-mass tree
 STORAGE_FACTOR = 2  # the ring holds this many times `capacity` steps (see the module docstring)
 PRIORITY_FLOOR = 1e-12  # RLlib's smallest priority
 RING_ADVICE = "the ring holds {factor} x capacity={capacity} steps: raise capacity"
