@@ -9,6 +9,11 @@ empty or zero-priority slots). A changed leaf refreshes each ancestor as the flo
 values, so every node always equals the sum of its children as float32 computes it, whatever happened before. The
 descent then only ever steps into a child with positive mass: a rounding overshoot falls back to the last positive
 child, a negative remainder is clamped to 0. Zero-mass leaves (empty slots, ineligible items) are never returned.
+
+Writes. ``write_run`` / ``write_leaves`` change the leaf level, ``refresh`` then recomputes every changed leaf's
+ancestors once (``set_run`` / ``set_leaves`` do both): writes from several sources in one kernel go into the leaves
+first and are refreshed together, since two refreshing passes in one kernel make XLA:CPU copy every level. The same
+``refresh`` with ``combine=smallest_positive`` keeps a tree of the smallest positive leaf over the same leaves.
 """
 
 from __future__ import annotations
@@ -122,7 +127,8 @@ def set_leaves(levels, slots, values, valid, arity: int = ARITY):
 
 
 def from_leaves(leaves, num_levels: int, arity: int = ARITY, combine=child_sums) -> tuple[jax.Array, ...]:
-    """Levels (root first) over a leaf level: every node the float32 sum of its children in ``child_sums``' order.
+    """Levels (root first) over a leaf level: every node the float32 sum of its children in ``child_sums``' order
+    (or ``combine``'s rule, e.g. ``smallest_positive``).
     One pass per level, O(leaves): for changes to most leaves at once (retiring stale items, re-laying out a
     checkpoint), where refreshing each changed leaf's ancestors would read K children per leaf per level."""
     levels = [jnp.asarray(leaves, jnp.float32)]
@@ -172,11 +178,11 @@ def write_run(leaves, first, values, valid, num_slots: int):
 
 
 def refresh(levels, ranges: list, scattered, arity: int = ARITY, combine=child_sums) -> tuple:
-    """Every ancestor of changed leaves, level by level from the leaves up, as the float32 sum of its children
-    (``combine``: another rule, e.g. ``smallest_positive``):
-    those over the slot windows ``ranges`` ``[(start, span)]`` (``write_run``'s) by contiguous slices, those of the
-    ``scattered`` ``(slots, valid)`` (``write_leaves``') one by one. Each level is written whole, both kinds computed
-    from the finished level below, before the level above reads it.
+    """Every ancestor of changed leaves, level by level from the leaves up, as the float32 sum of its children (or
+    ``combine``'s rule, e.g. ``smallest_positive``): those over the slot windows ``ranges`` ``[(start, span)]``
+    (``write_run``'s) by contiguous slices, those of the ``scattered`` ``(slots, valid)`` (``write_leaves``') one by
+    one. Each level is written whole, both kinds computed from the finished level below, before the level above
+    reads it.
 
     Writes from several sources (an insert's run, then a priority update) go into the leaves first and are refreshed
     here once: two refreshing passes in one kernel (any two of ``set_run`` / ``set_leaves``) made XLA:CPU copy every
