@@ -486,9 +486,8 @@ class EpisodeStore(LoggedMetrics):
         static = (candidates, padded, compile_size(high), redraw)
         n = self.rng.integers(low, high + 1, size=candidates, dtype=np.int32) if low < high else \
             np.full(candidates, low, np.int32)
-        columns, ids, fitting = self._call("draw", static, n,
-                                                   np.float32(request.beta), np.float32(request.gamma),
-                                                   np.uint32(self.seed), np.uint32(self._draws))
+        columns, ids, fitting = self._call("draw", static, n, np.float32(request.beta), np.float32(request.gamma),
+                                           np.uint32(self.seed), np.uint32(self._draws))
         self._draws += 1
         if padded != request.size:
             columns, ids = {k: v[:request.size] for k, v in columns.items()}, ids[:request.size]
@@ -536,14 +535,15 @@ class EpisodeStore(LoggedMetrics):
         # RLlib's order: an add made before this update is in the buffer first (its new steps take the largest
         # priority seen before the update; the steps it evicted are gone, their updates skipped)
         scheduler = self._scheduler
-        if self._retiring:
+        # applied now (with the next kernel) where the schedule draws after it or does not defer, else deferred
+        now = scheduler.draws_on_update or not scheduler.schedule.defer
+        if self._retiring or not now:
             self._settle()
-        if scheduler.draws_on_update or not scheduler.schedule.defer:
-            # applied right after the adds' staged rows, by the kernel that writes them (one pass over the sum tree:
-            # the rows and an update in two made XLA:CPU copy every level twice), or by the next kernel
+        if now:
+            # right after the adds' staged rows, by the kernel that writes them (one pass over the sum tree: the rows
+            # and an update in two made XLA:CPU copy every level twice), or by the next kernel
             self._engine.pend(update, after_staged=True)
         else:
-            self._settle()
             scheduler.report_update(*update)  # applied by the draw after the next sample() at the latest
         scheduler.updated()  # where the schedule draws after an update: the next batch now (during the env rollout)
         self._last_ids = None
