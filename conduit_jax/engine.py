@@ -81,6 +81,7 @@ def memory_moves(stablehlo: str) -> list[tuple[str, int]]:
 
 
 MAX_KEPT_COUNTS = 4096  # distinct staged-block item counts an engine keeps as device scalars
+UPDATE_HEADROOM = 4  # a timing-dependent engine pads its first batch of updates to this multiple of its size
 
 
 @functools.lru_cache(maxsize=4096)  # called on every kernel that carries staged rows
@@ -210,8 +211,10 @@ class Engine:
     append that any thread may make. ``state`` may be None (freed, e.g. before a restore reads the saved one);
     ``seed`` builds a fresh empty state. ``staging_rows``: items the staging area holds (default
     ``staging.staging_rows``; the caller checks a given one with ``staging.checked_rows``).
-    ``update_headroom``: the first batch of pending updates is padded to this multiple of its size (see
-    ``_take_updates``). ``pending``: the deque ``pend`` appends to (an engine that replaces another on the same
+    ``timing_dependent``: how many updates and staged rows a kernel carries depends on thread timing (a delivery
+    worker draws while producers ingest): the first batch of pending updates is padded to ``UPDATE_HEADROOM`` times
+    its size (``_take_updates``), and each kernel carrying a staged block is compiled for the next bucket up too
+    (``_compile_ahead``), so a run whose timing moves into a larger size compiles nothing mid-run. ``pending``: the deque ``pend`` appends to (an engine that replaces another on the same
     buffer takes over its deque, so an update given while they are swapped is not lost). ``kernels``: the compiled
     kernels' cache (default: the engine's own); engines of one configuration whose steps of one name are one function
     (``add_step``) may share one, so the second compiles nothing. ``mirror_status``: keep the host's copy of the status
@@ -220,7 +223,7 @@ class Engine:
     """
 
     def __init__(self, config: ReplayConfig, shardings, seed: Optional[int] = 0, *,
-                 staging_rows: Optional[int] = None, update_headroom: int = 1,
+                 staging_rows: Optional[int] = None, timing_dependent: bool = False,
                  pending: Optional[collections.deque] = None, kernels: Optional[dict] = None,
                  mirror_status: bool = True):
         self.config, self.shardings = config, shardings
@@ -267,7 +270,7 @@ class Engine:
         # checked priority updates not yet in the state, oldest first: the next kernel applies them
         self.pending: collections.deque[tuple[np.ndarray, np.ndarray]] = collections.deque() if pending is None \
             else pending
-        self._update_rows, self.update_headroom = 0, int(update_headroom)
+        self._update_rows, self.timing_dependent = 0, bool(timing_dependent)
         # checked updates given after the rows staged now (``pend(after_staged=True)``): the kernel that writes the
         # rows applies them right after
         self._after_rows: collections.deque[tuple[np.ndarray, np.ndarray]] = collections.deque()
@@ -413,9 +416,12 @@ class Engine:
         key = (step_name, 0 if updates is None else updates.shape[0], staged, recycle is not None)
         built = self._kernels.get(key)
         kernel, name = built if built is not None else (self._kernel(*key), self._kernel_name(*key))
+        call_args = (storage_large, rest_large, small, *args, *step_args)
+        if built is None and self.timing_dependent and staged is not None and staged[1]:
+            self._compile_ahead(key, call_args, block_at=3 + int(recycle is not None) + int(updates is not None))
         self.dispatches[name] += 1
         with self.counting(name):
-            out = self._settled(kernel(storage_large, rest_large, small, *args, *step_args))
+            out = self._settled(kernel(*call_args))
         if not self._writes(step_name, staged):
             rest_large, small, *outputs = out
             self._keep(storage_large + tuple(rest_large), small)
@@ -434,6 +440,27 @@ class Engine:
             if mirror is not None:
                 mirror["deliverable"] = reported
         return outputs
+
+    def _compile_ahead(self, key: tuple, call_args: tuple, block_at: int) -> None:
+        """Compile the kernel ``key`` names (carrying a host-staged block, at ``block_at`` in ``call_args``) for the
+        next bucket of staged rows up (``staged_rows``' next factor of four, within the staging area), without running
+        it: under a delivery worker how many rows wait for a draw depends on thread timing (an adaptive depth that
+        drops skips a refill), and a larger bucket met mid-run would stall that draw for a compilation."""
+        step_name, updates, (rows, packed, after), recycles = key
+        config = self.config
+        bigger = staged_rows(4 * rows, config.num_shards, config.shard_capacity)
+        ahead = (step_name, updates, (bigger, packed, after), recycles)
+        if bigger == rows or bigger > self.staging.area_rows or ahead in self._kernels:
+            return
+        abstract = jax.tree_util.tree_map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding if isinstance(a, jax.Array) else None),
+            call_args)
+        block = call_args[block_at]
+        abstract = (*abstract[:block_at], jax.ShapeDtypeStruct((bigger, *block.shape[1:]), block.dtype),
+                    *abstract[block_at + 1:])
+        kernel = self._kernel(*ahead)
+        with self.counting(self._kernel_name(*ahead)):
+            kernel.lower(*abstract).compile()
 
     def _count(self, n: int) -> jax.Array:
         """``n`` as the int32 device scalar a staged block's kernel takes (kept for the first ``MAX_KEPT_COUNTS``
@@ -689,10 +716,11 @@ class Engine:
         if not taken:
             return None
         packed = pack_updates(taken)
-        # padded (rows marked invalid) to the largest bucket so far, the first one to update_headroom times its size:
-        # how many steps' updates one kernel coalesces can depend on thread timing (a delivery worker), and each new
-        # bucket compiles a kernel in the middle of a run
-        rows = max(packed.shape[0], self._update_rows or packed.shape[0] * self.update_headroom)
+        # padded (rows marked invalid) to the largest bucket so far, the first one to UPDATE_HEADROOM times its size
+        # where how many steps' updates one kernel coalesces depends on thread timing: each new bucket compiles a
+        # kernel in the middle of a run
+        rows = max(packed.shape[0], self._update_rows or packed.shape[0] * (
+            UPDATE_HEADROOM if self.timing_dependent else 1))
         self._update_rows = rows
         return packed if rows == packed.shape[0] else np.concatenate(
             [packed, np.zeros((rows - packed.shape[0], packed.shape[1]), packed.dtype)])

@@ -78,7 +78,7 @@ class ExperienceDataPlane:
         staging_rows = None if staging is None else staging_lib.checked_rows(staging, self.config.capacity,
                                                                              "ExperienceDataPlane()")
         self.engine = Engine(self.config, shardings, int(seed) if state is None else None,
-                             staging_rows=staging_rows, update_headroom=_update_headroom(self.schedule))
+                             staging_rows=staging_rows, timing_dependent=self.schedule.depth > 0)
         if state is not None:
             self.engine.state = state
         self.timeline = metrics.Timeline()  # wall-clock spans per stage (see metrics.py)
@@ -451,7 +451,7 @@ class ExperienceDataPlane:
                           already=self.shardings)
         with self._changed:
             engine = Engine(config, shardings, seed=None, staging_rows=self.engine.staging.rows,
-                            update_headroom=self.engine.update_headroom, pending=self.engine.pending)
+                            timing_dependent=self.engine.timing_dependent, pending=self.engine.pending)
             engine.compiles.update(self.engine.compiles)
             engine.state = self.state  # moved to the new shardings
             self.config, self.mesh, self.engine = config, config.mesh, engine
@@ -486,10 +486,3 @@ class ExperienceDataPlane:
         out.update(schedule=self.schedule.name, prefetch_depth=self._schedule.depth, stages=self.timeline.summary(),
                    exposed_path=self.timeline.exposed_path())
         return out
-
-
-
-def _update_headroom(schedule: schedule_lib.Schedule) -> int:
-    """How far the engine pads the first batch of priority updates: with a delivery worker, how many steps' updates
-    one kernel takes depends on thread timing, so 4x: a little padding per kernel instead of a compile mid-run."""
-    return 4 if schedule.depth else 1
