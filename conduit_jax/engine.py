@@ -97,14 +97,20 @@ def staged_rows(n: int, num_shards: int, shard_capacity: int) -> int:
 # ------------------------------------------------------------------------------------------------------------------
 # compile counting
 # ------------------------------------------------------------------------------------------------------------------
-_compile_scope = threading.local()  # the kernels whose calls are running on this thread, innermost last
+class _Running(threading.local):
+    def __init__(self):
+        self.kernels: list[tuple[collections.Counter, str]] = []  # (counter, kernel) of the calls running, innermost last
+
+
+_running = _Running()  # the kernels whose calls are running on this thread
 
 
 def _count_compile(event: str, duration: float, **kwargs) -> None:
-    running = getattr(_compile_scope, "running", None)
-    if event == "/jax/core/compile/backend_compile_duration" and running:
-        counter, kernel = running[-1]
-        counter[kernel] += 1
+    if event == "/jax/core/compile/backend_compile_duration":
+        kernels = _running.kernels
+        if kernels:
+            counter, kernel = kernels[-1]
+            counter[kernel] += 1
 
 
 jax.monitoring.register_event_duration_secs_listener(_count_compile)
@@ -112,21 +118,19 @@ jax.monitoring.register_event_duration_secs_listener(_count_compile)
 
 class CompileScope:
     """While a kernel is called, attribute the XLA compilations JAX reports on this thread to ``kernel`` in
-    ``counter`` (a ``collections.Counter``). It keeps no state of its own between ``__enter__`` and ``__exit__`` (the
-    thread's stack does), so an engine makes one per kernel and enters it on every call, from any thread."""
+    ``counter`` (a ``collections.Counter``, where ``kernel`` counts from 0 once the scope exists). It keeps no state of
+    its own between ``__enter__`` and ``__exit__`` (the thread's stack does), so an engine makes one per kernel and
+    enters it on every call, from any thread: an append and a pop, for the kernel calls a loop makes."""
 
     def __init__(self, counter: collections.Counter, kernel: str):
-        self.counter, self.kernel = counter, kernel
+        counter.setdefault(kernel, 0)
+        self._entry = (counter, kernel)
 
     def __enter__(self):
-        self.counter.setdefault(self.kernel, 0)
-        running = getattr(_compile_scope, "running", None)
-        if running is None:
-            running = _compile_scope.running = []
-        running.append((self.counter, self.kernel))
+        _running.kernels.append(self._entry)
 
     def __exit__(self, *exc):
-        _compile_scope.running.pop()
+        _running.kernels.pop()
         return False
 
 
@@ -627,7 +631,7 @@ class Engine:
         return outputs
 
     # -- what the host gives: ingests and priority updates ------------------------------------------------------------
-    def ingest(self, batch, n: int, *, staged: bool = False) -> None:
+    def ingest(self, batch, n: int, *, staged: bool = False, leaves: Optional[list] = None) -> None:
         """Take the ``n`` items of ``batch`` (a checked pytree with a leading item axis).
 
         Host batches (and device arrays elsewhere than this mesh) are packed into the staging area (one copy; the
@@ -635,8 +639,10 @@ class Engine:
         writes them now. Either way a batch that does not fit the area's room fills it and is written one full area
         per kernel. Device arrays on this mesh of exactly a write bucket's size are written as they are by a kernel
         now, after the staged rows; with ``staged`` their rows are packed on the device instead, by a small kernel
-        that does not take the state (no wait for the kernels that hold it), and wait for the next kernel."""
-        leaves = jax.tree_util.tree_leaves(batch)
+        that does not take the state (no wait for the kernels that hold it), and wait for the next kernel.
+        ``leaves``: the batch's leaves, where the caller has them (``replay.checked_batch``)."""
+        if leaves is None:
+            leaves = jax.tree_util.tree_leaves(batch)
         config = self.config
         if self._after_rows:
             self.flush()  # an update given after the staged rows applies before these: they are written with it now
@@ -688,8 +694,9 @@ class Engine:
             return
         sampler = self.config.sampler
         mirror["size"] = min(mirror["size"] + n, self.config.capacity)
-        mirror["limiter_balance"] = int(self.config.limiter.on_insert(
-            limits.LimiterState(mirror["limiter_balance"]), n).balance)
+        limiter = self.config.limiter
+        if limiter.moves_balance:
+            mirror["limiter_balance"] = int(limiter.on_insert(limits.LimiterState(mirror["limiter_balance"]), n).balance)
         if sampler.deliverable is None:
             mirror["deliverable"] = mirror["size"]
         elif sampler.consumes:
@@ -735,8 +742,10 @@ class Engine:
             self._delivery_layout = treedef, [(leaf.shape, leaf.dtype, leaf.sharding) for leaf in leaves]
         mirror, batch_size = self._mirror, self.config.sampler.batch_size
         if mirror is not None:
-            mirror["limiter_balance"] = int(self.config.limiter.on_sample(
-                limits.LimiterState(mirror["limiter_balance"]), batch_size).balance)
+            limiter = self.config.limiter
+            if limiter.moves_balance:
+                mirror["limiter_balance"] = int(limiter.on_sample(limits.LimiterState(mirror["limiter_balance"]),
+                                                                  batch_size).balance)
             if self.config.sampler.consumes:
                 mirror["deliverable"] -= batch_size
         return delivery
@@ -761,7 +770,7 @@ class Engine:
             if not self._mirrors:
                 return known
             self._mirror = known
-        if need_deliverable and isinstance(self._mirror["deliverable"], jax.Array):
+        if need_deliverable and not isinstance(self._mirror["deliverable"], int):  # a reported device scalar
             self._mirror["deliverable"] = int(self._mirror["deliverable"])
         return self._mirror
 

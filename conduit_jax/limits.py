@@ -59,6 +59,7 @@ class Limiter(NamedTuple):
     check: Callable[..., None]  # check(batch_size, capacity=None)
     limits_inserts: bool = False  # False: can_insert is always true (the shell skips reading state)
     limits_samples: bool = False  # False: can_sample depends on the stored count alone
+    moves_balance: bool = True  # False: on_insert and on_sample return the state they are given (no host copy kept)
     params: tuple = ()  # ((argument, value), ...) of the constructor call: rebuilds the limiter from a checkpoint
 
 
@@ -108,6 +109,7 @@ def min_size(size: int = 1) -> Limiter:
         on_insert=lambda state, n: state,
         on_sample=lambda state, batch: state,
         check=lambda batch, capacity=None: _check_min_size(size, "size", "limits.min_size()", capacity),
+        moves_balance=False,
         params=(("size", size),),
     )
 

@@ -183,10 +183,11 @@ class ExperienceDataPlane:
         runtime.refuse_under_trace("ingest()", "state = buffer.ingest(state, batch)")
         start = time.perf_counter()  # the whole call is part of the caller's exposed path (a refused one: nothing)
         timeout = checked_timeout(timeout, "ingest()")
-        n = replay.check_batch(self.config, batch, "ingest()", cast=self.cast)
+        leaves, n = replay.checked_batch(self.config, batch, "ingest()", cast=self.cast)
         with self._changed:
-            self._wait_until(lambda: self._ingest_refusal(n), timeout)
-            self.engine.ingest(batch, n, staged=self.schedule.stage)
+            if self._ingest_gated:
+                self._wait_until(lambda: self._ingest_refusal(n), timeout)
+            self.engine.ingest(batch, n, staged=self.schedule.stage, leaves=leaves)
             self._changed.notify_all()
             drawn = self._schedule.ingested()  # a rollout's first minibatch is drawn as it is ingested
         self._schedule.finish_ingest(drawn)
@@ -204,9 +205,14 @@ class ExperienceDataPlane:
         with self._changed:
             return self._ingest_refusal(n) is None
 
+    @property
+    def _ingest_gated(self) -> bool:
+        """Whether an ingest can be refused (a queue's capacity, or a limiter that limits inserts)."""
+        return self.sampler.consumes or self.limiter.limits_inserts
+
     def _ingest_refusal(self, n: int):
         """None if an n-item ingest may run now, else (error type, message)."""
-        if not (self.sampler.consumes or self.limiter.limits_inserts):
+        if not self._ingest_gated:
             return None
         status = self._known()
         if self.sampler.consumes and status["deliverable"] + n > self.capacity:

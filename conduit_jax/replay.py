@@ -203,12 +203,17 @@ CACHE_RESIDENT_BYTES = 16 << 20  # a ring this small stays in the last-level cac
 def check_batch(config: ReplayConfig, batch, where: str, cast: bool = False) -> int:
     """The item count of ``batch`` (a pytree of the spec's leaves with a leading item axis); SpecError naming the leaf
     and what was expected unless it matches the spec and holds whole steps of the sampler's streams."""
-    n = config.layout.spec.validate(batch, cast=cast, where=where)
+    return checked_batch(config, batch, where, cast)[1]
+
+
+def checked_batch(config: ReplayConfig, batch, where: str, cast: bool = False) -> tuple[list, int]:
+    """``check_batch``, returning the batch's leaves too (``ExperienceSpec.checked_leaves``)."""
+    leaves, n = config.layout.spec.checked_leaves(batch, cast=cast, where=where)
     streams, name = config.sampler.streams, config.sampler.name
     if n % streams:
         raise SpecError(f"{where}: the {name} sampler takes whole steps of {streams} streams (time-major), so a batch "
                         f"must hold a multiple of {streams} items; got {n}")
-    return n
+    return leaves, n
 
 
 def check_batches(config: ReplayConfig, batches, where: str = "sample()") -> None:

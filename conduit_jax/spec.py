@@ -7,6 +7,8 @@ plane is checked against it before it touches state. A batch has a leading item 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import operator
 from typing import Any
 
 import jax
@@ -127,6 +129,11 @@ class ExperienceSpec:
         Every bad leaf is collected before one ``SpecError`` is raised, so a user fixes them all at once. With
         ``cast=True`` 64-bit leaves whose narrow type matches the spec are accepted (the plane casts them).
         """
+        return self.checked_leaves(batch, cast=cast, where=where)[1]
+
+    def checked_leaves(self, batch, *, cast: bool = False, where: str = "ingest()") -> tuple[list, int]:
+        """``validate``, returning the batch's leaves (in the spec's order) too: a caller that copies them flattens
+        the batch once."""
         try:
             leaves, treedef = jax.tree_util.tree_flatten(batch)  # paths only for a message: they cost on every call
         except Exception as exc:  # pragma: no cover - tree_flatten accepts nearly anything
@@ -144,7 +151,7 @@ class ExperienceSpec:
             raise SpecError(f"{where}: batch has " + " and ".join(parts) + f"; the spec is {self}")
         n = self._plain_count(leaves)
         if n:
-            return n
+            return leaves, n
         problems, counts = [], []
         for leaf, name, shape, dtype in zip(leaves, self.names, self.shapes, self.dtypes):
             if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype") or isinstance(leaf, jax.ShapeDtypeStruct):
@@ -181,13 +188,19 @@ class ExperienceSpec:
             problems.append("the batch is empty (0 items); send at least one item")
         if problems:
             raise SpecError(f"{where}: " + "; ".join(problems))
-        return int(counts[0])
+        return leaves, int(counts[0])
 
     def _plain_count(self, leaves) -> int:
         """The item count of ``leaves`` when every leaf is a NumPy array or a live (not donated) concrete
         ``jax.Array`` of the spec's dtype and trailing shape and all agree on a count of at least one, else 0
         (``validate``'s full checks then name what is wrong). The common case, checked with the least Python: it
-        runs on every ingest."""
+        runs on every ingest: all-NumPy leaves are compared as lists, in C."""
+        if list(map(type, leaves)) == self._numpy_types:
+            if list(map(_DTYPE, leaves)) != self._dtype_list:
+                return 0
+            shapes = list(map(_SHAPE, leaves))
+            n = shapes[0][0] if shapes[0] else 0
+            return n if n and shapes == self._batch_shapes(n) else 0
         n = None
         for leaf, shape, dtype in zip(leaves, self.shapes, self.dtypes):
             if type(leaf) is not np.ndarray and not (isinstance(leaf, jax.Array) and not isinstance(
@@ -200,6 +213,32 @@ class ExperienceSpec:
                 return 0
             n = got[0]
         return n or 0
+
+
+    @functools.cached_property
+    def _numpy_types(self) -> list:
+        return [np.ndarray] * len(self.names)
+
+    @functools.cached_property
+    def _dtype_list(self) -> list:
+        return list(self.dtypes)
+
+    @functools.cached_property
+    def _shapes_by_count(self) -> dict[int, list]:
+        return {}
+
+    def _batch_shapes(self, n: int) -> list[tuple]:
+        """The leaves' shapes in a batch of ``n`` items (the first ``MAX_KEPT_SHAPES`` counts seen are kept)."""
+        shapes = self._shapes_by_count.get(n)
+        if shapes is None:
+            shapes = [(n, *shape) for shape in self.shapes]
+            if len(self._shapes_by_count) < MAX_KEPT_SHAPES:
+                self._shapes_by_count[n] = shapes
+        return shapes
+
+
+_DTYPE, _SHAPE = operator.attrgetter("dtype"), operator.attrgetter("shape")
+MAX_KEPT_SHAPES = 256  # batch sizes a spec keeps the leaves' shapes for (a loop ingests the same few)
 
 
 def _first_misfit(values: np.ndarray, dtype: np.dtype):
