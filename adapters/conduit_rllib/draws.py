@@ -141,15 +141,29 @@ def link(links, full, patch):
     return links.at[0, patch[0]].set(patch[1], mode="drop")
 
 
+ADDS_ROWS = (4, 2, 2)  # the rows of ``with_adds``' packed array: ``link``'s full and patch blocks, retired ids (.T)
+
+
+def adds_fill(ring: int) -> np.ndarray:
+    """int32[8]: the padding value of each row of ``with_adds``' packed array (a row past the ring ``ring`` where a
+    link names a row, which the write drops; -1 elsewhere, which the retirement ignores)."""
+    fill = np.full(sum(ADDS_ROWS), -1, np.int32)
+    fill[0] = fill[ADDS_ROWS[0]] = ring
+    return fill
+
+
 def with_adds(buffer, step, retires: bool = True):
-    """``step(state, links, *args) -> (state, *outputs)`` after the adds given since the last kernel: their links
-    (``link``: ``full``, ``patch``) and the retirement of the steps they evicted (``retire``: ids, -1 rows are
-    padding), in the order one add did them (written, linked, retired; the engine writes the staged rows first).
-    The links come out too (donated in, updated). Without ``retires`` (static: no add since the last kernel
+    """``step(state, links, *args) -> (state, *outputs)`` after the adds given since the last kernel, packed in one
+    int32[8, k] array (one host argument instead of three: each costs the kernel's dispatch several us): their links
+    (``link``: ``full`` rows 0-3, ``patch`` rows 4-5) and the retirement of the steps they evicted (rows 6-7: ids, -1
+    columns are padding), in the order one add did them (written, linked, retired; the engine writes the staged rows
+    first). The links come out too (donated in, updated). Without ``retires`` (static: no add since the last kernel
     evicted a step) the retirement is left out. The store writes staged rows in a kernel of their own before a
     retiring step: beside a run write, the retirement's scatter into the sum tree makes XLA:CPU copy every level."""
+    first, second = ADDS_ROWS[0], ADDS_ROWS[0] + ADDS_ROWS[1]
 
-    def stepped(state, links, full, patch, retire, *args):
+    def stepped(state, links, adds, *args):
+        full, patch, retire = adds[:first], adds[first:second], adds[second:].T
         links = link(links, full, patch)
         state, *outputs = step(buffer.retire(state, retire) if retires else state, links, *args)
         return (state, links, *outputs)
@@ -213,7 +227,8 @@ def make_draw(buffer_for, names, prioritized: bool, candidates: int, size: int, 
     buffer = buffer_for(candidates)
     exact_reward = EXACT + "reward" in set(names)
 
-    def draw(state, links, n, beta, gamma, seed, counter):
+    def draw(state, links, arguments):
+        n, beta, gamma, seed, counter = draw_arguments_in(arguments, candidates)
         keys = random_keys(seed, counter, candidates)
         state, delivery = buffer.sample(state)
         rows = delivery.ids[:, 0]
@@ -232,6 +247,24 @@ def make_draw(buffer_for, names, prioritized: bool, candidates: int, size: int, 
         return state, columns, delivery.ids[order], fitting
 
     return draw
+
+
+def draw_arguments(n: np.ndarray, beta: float, gamma: float, seed: int, counter: int) -> np.ndarray:
+    """``make_draw``'s host arguments as one int32 array (one transfer into the kernel): each candidate's n, then
+    beta and gamma (float32 bits), the store's seed and the draw's counter (uint32 bits)."""
+    out = np.empty(n.shape[0] + 4, np.int32)
+    out[:n.shape[0]] = n
+    out[n.shape[0]:n.shape[0] + 2] = np.asarray([beta, gamma], np.float32).view(np.int32)
+    out[n.shape[0] + 2:] = np.asarray([seed, counter], np.uint32).view(np.int32)
+    return out
+
+
+def draw_arguments_in(arguments, candidates: int) -> tuple:
+    """Inside the draw kernel: ``draw_arguments``' values (n int32[candidates], beta, gamma, seed, counter)."""
+    scalars = arguments[candidates:]
+    floats = jax.lax.bitcast_convert_type(scalars[:2], jnp.float32)
+    words = jax.lax.bitcast_convert_type(scalars[2:], jnp.uint32)
+    return arguments[:candidates], floats[0], floats[1], words[0], words[1]
 
 
 def make_gather(buffer_for, names, size: int, longest: int):

@@ -208,7 +208,7 @@ class EpisodeStore(LoggedMetrics):
             self._engine.add_step(name, draws.with_adds(self._buffer(self.num_shards), step, retires),
                                   1 + self._OUTPUTS[kind], donates=(0,), rows_apart=retires)
             self._given.add(name)
-        self._links, *outputs = self._engine.call(name, self._links, *self._waiting_adds(), *args)
+        self._links, *outputs = self._engine.call(name, self._links, self._waiting_adds(), *args)
         return outputs
 
     def _step(self, kind: str, static: tuple):
@@ -218,25 +218,25 @@ class EpisodeStore(LoggedMetrics):
         make = {"sequences": draws.make_sequences, "slices": draws.make_slices, "gather": draws.make_gather}[kind]
         return make(self._buffer, self._spec.names, *static)
 
-    def _waiting_adds(self) -> tuple:
-        """The links and retirements of the adds since the last kernel as ``draws.with_adds``' arguments, taken: the
-        three blocks padded to the staged block's rows for the widest (``engine.staged_rows``; past a ring
+    def _waiting_adds(self) -> np.ndarray:
+        """The links and retirements of the adds since the last kernel as ``draws.with_adds``' packed argument, taken:
+        the three blocks padded to the staged block's rows for the widest (``engine.staged_rows``; past a ring
         ``compile_size``), with rows past the ring (links, dropped) and -1 ids (retire, ignored). The written steps'
         links are as many as the staged rows, patches and retirements mostly fewer: one variant per staged bucket."""
         ring, adds, gone = self.storage_capacity, self._adds, self._retiring
         self._adds, self._adds_steps, self._retiring = [], 0, []
-        blocks = (([f for f, _ in adds], (ring, -1, -1, -1)), ([p for _, p in adds], (ring, -1)),
-                  ([ids.T for ids in gone], (-1, -1)))
-        widths = [sum(block.shape[1] for block in parts) for parts, _ in blocks]
+        blocks = ([f for f, _ in adds], [p for _, p in adds], [ids.T for ids in gone])
+        widths = [sum(block.shape[1] for block in parts) for parts in blocks]
         size = engine.staged_rows(max(widths), self.num_shards, self._engine.config.shard_capacity)
         size = size if size >= max(widths) else compile_size(max(widths))  # retirements of more than a ring
-        out = []
-        for (parts, fill), width in zip(blocks, widths):
-            padded = np.tile(np.asarray(fill, np.int32)[:, None], (1, size))
+        packed = np.empty((sum(draws.ADDS_ROWS), size), np.int32)
+        packed[:] = draws.adds_fill(ring)[:, None]
+        top = 0
+        for parts, width, rows in zip(blocks, widths, draws.ADDS_ROWS):
             if parts:
-                np.concatenate(parts, axis=1, out=padded[:, :width])
-            out.append(padded)
-        return out[0], out[1], out[2].T
+                np.concatenate(parts, axis=1, out=packed[top:top + rows, :width])
+            top += rows
+        return packed
 
     def _settle(self) -> None:
         """Write everything given so far into the state (the schedule's deferred priority updates too): one kernel,
@@ -486,8 +486,8 @@ class EpisodeStore(LoggedMetrics):
         static = (candidates, padded, compile_size(high), redraw)
         n = self.rng.integers(low, high + 1, size=candidates, dtype=np.int32) if low < high else \
             np.full(candidates, low, np.int32)
-        columns, ids, fitting = self._call("draw", static, n, np.float32(request.beta), np.float32(request.gamma),
-                                           np.uint32(self.seed), np.uint32(self._draws))
+        columns, ids, fitting = self._call("draw", static, draws.draw_arguments(n, request.beta, request.gamma,
+                                                                                 self.seed, self._draws))
         self._draws += 1
         if padded != request.size:
             columns, ids = {k: v[:request.size] for k, v in columns.items()}, ids[:request.size]
