@@ -182,6 +182,19 @@ def _torch_columns(batch: ConduitBatch):
     return {k: dlpack.jax_to_torch(v).numpy() if v.dtype != jnp.bfloat16 else None for k, v in batch.take().items()}
 
 
+def test_draw_arguments_travel_in_one_array_bit_for_bit():
+    """A draw kernel's host values packed in one int32 array (``draws.draw_arguments``) come out unchanged inside
+    the kernel: n per candidate, beta and gamma as the same float32, seed and counter over the whole uint32 range."""
+    from conduit_rllib import draws
+
+    n = np.array([1, 3, 2, 3], np.int32)
+    packed = draws.draw_arguments(n, 0.4, 0.99, 2**32 - 1, 2**31 + 5)
+    got = jax.jit(lambda a: draws.draw_arguments_in(a, 4))(packed)
+    assert np.asarray(got[0]).tolist() == n.tolist()
+    assert (np.float32(got[1]), np.float32(got[2])) == (np.float32(0.4), np.float32(0.99))
+    assert (int(got[3]), int(got[4])) == (2**32 - 1, 2**31 + 5) and got[3].dtype == jnp.uint32
+
+
 @pytest.mark.parametrize("cls", ["ConduitPrioritizedEpisodeReplayBuffer", "ConduitEpisodeReplayBuffer"])
 def test_buffer_n_step_transitions_match_reference(cls):
     """n-step transitions computed by hand: the prioritized buffer draws only steps with n steps left in their

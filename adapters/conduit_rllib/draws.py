@@ -12,7 +12,9 @@ arguments; ``buffer_for(batch)`` is the store's functional buffer drawing ``batc
   episode slices; ``link``: an add's links; ``with_adds``: a step after the adds' links and retirements;
   ``random_keys`` / ``shuffled``: the draws' random numbers.
 * On the host: ``n_range`` (a request's n-steps), ``candidate_count`` (how many steps PER's redraw draws),
-  ``joined`` (one batch from several draws), ``exact_values`` (float64 columns back bit for bit), ``to_host``.
+  ``joined`` (one batch from several draws), ``exact_values`` (float64 columns back bit for bit), ``to_host``;
+  the kernels' host arguments packed into few arrays (``adds_fill``, ``draw_arguments``, ``stream_argument``: each
+  NumPy argument costs a kernel call several us of dispatch).
 
 For PER's redraw a draw takes more steps than the batch needs, as many as the share of fitting windows in earlier
 draws asks for (``candidate_count``), so one kernel suffices even when most of the priority mass sits on steps near an
@@ -249,13 +251,19 @@ def make_draw(buffer_for, names, prioritized: bool, candidates: int, size: int, 
     return draw
 
 
+def stream_argument(seed: int, counter: int) -> np.ndarray:
+    """The random stream of a draw of ``make_sequences`` / ``make_slices`` as their one host argument: uint32[2],
+    the store's seed and the draw's counter."""
+    return np.asarray([seed, counter], np.uint32)
+
+
 def draw_arguments(n: np.ndarray, beta: float, gamma: float, seed: int, counter: int) -> np.ndarray:
     """``make_draw``'s host arguments as one int32 array (one transfer into the kernel): each candidate's n, then
     beta and gamma (float32 bits), the store's seed and the draw's counter (uint32 bits)."""
     out = np.empty(n.shape[0] + 4, np.int32)
     out[:n.shape[0]] = n
     out[n.shape[0]:n.shape[0] + 2] = np.asarray([beta, gamma], np.float32).view(np.int32)
-    out[n.shape[0] + 2:] = np.asarray([seed, counter], np.uint32).view(np.int32)
+    out[n.shape[0] + 2:] = stream_argument(seed, counter).view(np.int32)
     return out
 
 
@@ -298,7 +306,8 @@ def make_sequences(buffer_for, names, size: int, length: int):
     def pick(condition, a, b):
         return jnp.where(condition.reshape(condition.shape + (1,) * (a.ndim - 1)), a, b)
 
-    def sequences(state, links, seed, counter):
+    def sequences(state, links, stream):
+        seed, counter = stream[0], stream[1]
         state, delivery = buffer.sample(state)
         pool = shuffled(delivery.ids[:, 0], seed, counter).reshape(size, draws)
         start = pool[:, 0]
@@ -344,7 +353,8 @@ def make_slices(buffer_for, names, size: int, lookback: int, length: int):
     at_end = [k for k in names if k.startswith(("next_", EXACT + "next_")) or k in ("terminated", "truncated")]
     per_step = [k for k in names if k not in at_end]
 
-    def slices(state, links, seed, counter):
+    def slices(state, links, stream):
+        seed, counter = stream[0], stream[1]
         state, delivery = buffer.sample(state)
         start = shuffled(delivery.ids[:, 0], seed, counter)  # RLlib takes as many as its count needs
 

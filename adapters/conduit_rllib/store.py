@@ -414,7 +414,7 @@ class EpisodeStore(LoggedMetrics):
         if self._index.num_timesteps == 0:
             raise ValueError(f"{name}.sample(): the buffer is empty; add() episodes first")
         padded = size + (-size) % self.num_shards
-        out, = self._call("sequences", (padded, int(length)), np.uint32(self.seed), np.uint32(self._draws))
+        out, = self._call("sequences", (padded, int(length)), draws.stream_argument(self.seed, self._draws))
         self._draws += 1
         out = exact_values({k: v[:size] for k, v in to_host(out).items()}, 0.0)
         self.sampled_timesteps += size * length
@@ -445,7 +445,7 @@ class EpisodeStore(LoggedMetrics):
         spaces = (self.observation_space, self.action_space)
         out, counted, steps_seen, episodes_seen = [], 0, set(), set()
         while counted < size:
-            rows, valid, data, end = self._call("slices", static, np.uint32(self.seed), np.uint32(self._draws))
+            rows, valid, data, end = self._call("slices", static, draws.stream_argument(self.seed, self._draws))
             self._draws += 1
             rows, valid, data, end = to_host((rows, valid, data, end))
             if not valid:
