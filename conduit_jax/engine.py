@@ -99,7 +99,7 @@ def staged_rows(n: int, num_shards: int, shard_capacity: int) -> int:
 # ------------------------------------------------------------------------------------------------------------------
 class _Running(threading.local):
     def __init__(self):
-        self.kernels: list[tuple[collections.Counter, str]] = []  # (counter, kernel) of the calls running, innermost last
+        self.kernels: list[tuple[collections.Counter, str]] = []  # (counter, kernel) per running call, innermost last
 
 
 _running = _Running()  # the kernels whose calls are running on this thread
@@ -218,8 +218,9 @@ class Engine:
     ``timing_dependent``: how many updates and staged rows a kernel carries depends on thread timing (a delivery
     worker draws while producers ingest): the first batch of pending updates is padded to ``UPDATE_HEADROOM`` times
     its size (``_take_updates``), and each kernel carrying a staged block is compiled for the next bucket up too
-    (``_compile_ahead``), so a run whose timing moves into a larger size compiles nothing mid-run. ``pending``: the deque ``pend`` appends to (an engine that replaces another on the same
-    buffer takes over its deque, so an update given while they are swapped is not lost). ``kernels``: the compiled
+    (``_compile_ahead``), so a run whose timing moves into a larger size compiles nothing mid-run. ``pending``: the
+    deque ``pend`` appends to (an engine that replaces another on the same buffer takes over its deque, so an update
+    given while they are swapped is not lost). ``kernels``: the compiled
     kernels' cache (default: the engine's own); engines of one configuration whose steps of one name are one function
     (``add_step``) may share one, so the second compiles nothing. ``mirror_status``: keep the host's copy of the status
     scalars a host policy decides on (``known``); without it a staged ingest reads nothing from the device first (a
@@ -696,7 +697,8 @@ class Engine:
         mirror["size"] = min(mirror["size"] + n, self.config.capacity)
         limiter = self.config.limiter
         if limiter.moves_balance:
-            mirror["limiter_balance"] = int(limiter.on_insert(limits.LimiterState(mirror["limiter_balance"]), n).balance)
+            mirror["limiter_balance"] = int(limiter.on_insert(limits.LimiterState(mirror["limiter_balance"]),
+                                                              n).balance)
         if sampler.deliverable is None:
             mirror["deliverable"] = mirror["size"]
         elif sampler.consumes:

@@ -24,6 +24,8 @@ SUPPORTED_DTYPES = tuple(
 )
 _WIDE_TO_NARROW = {np.dtype(np.int64): np.dtype(np.int32), np.dtype(np.uint64): np.dtype(np.uint32),
                    np.dtype(np.float64): np.dtype(np.float32)}
+_DTYPE, _SHAPE = operator.attrgetter("dtype"), operator.attrgetter("shape")
+MAX_KEPT_SHAPES = 256  # batch sizes a spec keeps the leaves' shapes for (a loop ingests the same few)
 
 
 def leaf_name(path) -> str:
@@ -214,7 +216,6 @@ class ExperienceSpec:
             n = got[0]
         return n or 0
 
-
     @functools.cached_property
     def _numpy_types(self) -> list:
         return [np.ndarray] * len(self.names)
@@ -235,10 +236,6 @@ class ExperienceSpec:
             if len(self._shapes_by_count) < MAX_KEPT_SHAPES:
                 self._shapes_by_count[n] = shapes
         return shapes
-
-
-_DTYPE, _SHAPE = operator.attrgetter("dtype"), operator.attrgetter("shape")
-MAX_KEPT_SHAPES = 256  # batch sizes a spec keeps the leaves' shapes for (a loop ingests the same few)
 
 
 def _first_misfit(values: np.ndarray, dtype: np.dtype):
