@@ -764,6 +764,9 @@ class Engine:
         host's copy, read from the device only when unknown. A sampler whose deliverable count is an index has it
         reported by the last kernel that changed it, as a device scalar read here only when ``need_deliverable``
         (staged rows are written first when they made it unknown)."""
+        mirror = self._mirror
+        if mirror is not None and type(mirror["deliverable"]) is int:  # every count known on the host: the usual case
+            return mirror
         if need_deliverable and self._mirror is not None and self._mirror["deliverable"] is None:
             self.flush()  # its kernel reports the count
         if not self.knows(need_deliverable):
