@@ -422,7 +422,8 @@ class Engine:
         built = self._kernels.get(key)
         kernel, name = built if built is not None else (self._kernel(*key), self._kernel_name(*key))
         call_args = (storage_large, rest_large, small, *args, *step_args)
-        if built is None and self.timing_dependent and staged is not None and staged[1]:
+        if built is None and self.timing_dependent and staged is not None and staged[1] and device_rows is None:
+            # (a device batch's rows wait one batch at a time: their bucket is the caller's batch size, not timing)
             self._compile_ahead(key, call_args, block_at=3 + int(recycle is not None) + int(updates is not None))
         self.dispatches[name] += 1
         with self.counting(name):
@@ -447,25 +448,24 @@ class Engine:
         return outputs
 
     def _compile_ahead(self, key: tuple, call_args: tuple, block_at: int) -> None:
-        """Compile the kernel ``key`` names (carrying a host-staged block, at ``block_at`` in ``call_args``) for the
-        next bucket of staged rows up (``staged_rows``' next factor of four, within the staging area), without running
-        it: under a delivery worker how many rows wait for a draw depends on thread timing (an adaptive depth that
-        drops skips a refill), and a larger bucket met mid-run would stall that draw for a compilation."""
+        """Compile the kernel ``key`` names (carrying a block of the staging area's rows, the NumPy array at
+        ``block_at`` in ``call_args``) for the next bucket of staged rows up (``staged_rows``' next factor of four,
+        within the staging area), without running it: under a delivery worker how many rows wait for a draw depends
+        on thread timing (an adaptive depth that drops skips a refill), and a larger bucket met mid-run would stall
+        that draw for a compilation. It is lowered with this call's other arguments as they are (lowering reads their
+        types and placements only), so JAX's compile cache serves the later call."""
         step_name, updates, (rows, packed, after), recycles = key
         config = self.config
         bigger = staged_rows(4 * rows, config.num_shards, config.shard_capacity)
         ahead = (step_name, updates, (bigger, packed, after), recycles)
         if bigger == rows or bigger > self.staging.area_rows or ahead in self._kernels:
             return
-        abstract = jax.tree_util.tree_map(
-            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding if isinstance(a, jax.Array) else None),
-            call_args)
         block = call_args[block_at]
-        abstract = (*abstract[:block_at], jax.ShapeDtypeStruct((bigger, *block.shape[1:]), block.dtype),
-                    *abstract[block_at + 1:])
+        arguments = (*call_args[:block_at], jax.ShapeDtypeStruct((bigger, *block.shape[1:]), block.dtype),
+                     *call_args[block_at + 1:])
         kernel = self._kernel(*ahead)
         with self.counting(self._kernel_name(*ahead)):
-            kernel.lower(*abstract).compile()
+            kernel.lower(*arguments).compile()
 
     def _count(self, n: int) -> jax.Array:
         """``n`` as the int32 device scalar a staged block's kernel takes (kept for the first ``MAX_KEPT_COUNTS``
