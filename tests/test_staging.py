@@ -351,21 +351,26 @@ def test_a_callers_step_may_consume_its_arguments_and_write_storage(mesh):
 
 
 @pytest.mark.parametrize("timing_dependent", [False, True])
-def test_a_timing_dependent_engine_compiles_the_next_staged_bucket_ahead(timing_dependent):
+def test_a_timing_dependent_engine_compiles_the_next_staged_bucket_ahead(mesh, timing_dependent):
     """Under a delivery worker how many rows wait for a draw depends on thread timing (an adaptive depth that drops
     skips a refill): such an engine compiles each staged kernel it builds for the next bucket of rows up as well, so
     a draw that meets that bucket later compiles nothing (without it, that draw compiles), and writes the same."""
-    plane = ExperienceDataPlane(SPEC, 256, samplers.fifo(8), mesh=default_mesh(1))
+    plane = ExperienceDataPlane(SPEC, 256, samplers.fifo(8), mesh=mesh)
     one = engine.Engine(plane.config, plane.engine.shardings, 0, timing_dependent=timing_dependent)
-    one.ingest(batch(0, 8), 8, staged=True)  # a block of 16 rows
+    shards, per_shard = plane.config.num_shards, plane.config.shard_capacity
+    first = engine.staged_rows(8, shards, per_shard)
+    following = engine.staged_rows(4 * first, shards, per_shard)  # the next bucket up
+    count = following * 3 // 4
+    assert first < following and engine.staged_rows(count, shards, per_shard) == following
+    one.ingest(batch(0, 8), 8, staged=True)
     assert sorted(np.asarray(one.sample().data["g"]).tolist()) == list(range(8))
     compiled = one.compile_counts()
-    one.ingest(batch(8, 40), 40, staged=True)  # 64 rows: the next bucket up
+    one.ingest(batch(8, count), count, staged=True)
     assert sorted(np.asarray(one.sample().data["g"]).tolist()) == list(range(8, 16))
     new = set(one.compile_counts()) - set(compiled)
-    assert new == (set() if timing_dependent else {"ingest[64,packed]+sample"}), one.compile_counts()
+    assert new == (set() if timing_dependent else {f"ingest[{following},packed]+sample"}), one.compile_counts()
     assert set(one.compile_counts().values()) == {1}
-    assert one.stats()["items_inserted"] == 48
+    assert one.stats()["items_inserted"] == 8 + count
 
 
 def test_engines_of_one_configuration_may_share_their_kernels_and_keep_no_status_copy(mesh):
