@@ -695,16 +695,19 @@ class Engine:
             return
         sampler = self.config.sampler
         mirror["size"] = min(mirror["size"] + n, self.config.capacity)
-        limiter = self.config.limiter
-        if limiter.moves_balance:
-            mirror["limiter_balance"] = int(limiter.on_insert(limits.LimiterState(mirror["limiter_balance"]),
-                                                              n).balance)
+        self._move_balance(mirror, self.config.limiter.on_insert, n)
         if sampler.deliverable is None:
             mirror["deliverable"] = mirror["size"]
         elif sampler.consumes:
             mirror["deliverable"] += n
         elif not written:
             mirror["deliverable"] = None  # an index's count: known once a kernel has written the rows (it reports it)
+
+    def _move_balance(self, mirror: dict, move, n: int) -> None:
+        """The host copy's limiter balance after ``move`` (the limiter's ``on_insert`` / ``on_sample``) of ``n``
+        items; nothing to compute for a limiter whose balance never moves (``Limiter.moves_balance``)."""
+        if self.config.limiter.moves_balance:
+            mirror["limiter_balance"] = int(move(limits.LimiterState(mirror["limiter_balance"]), n).balance)
 
     def pend(self, checked: tuple[np.ndarray, np.ndarray], *, after_staged: bool = False) -> None:
         """Queue a checked priority update (``spec.checked_priority_update``) for the next kernel. Any thread.
@@ -744,10 +747,7 @@ class Engine:
             self._delivery_layout = treedef, [(leaf.shape, leaf.dtype, leaf.sharding) for leaf in leaves]
         mirror, batch_size = self._mirror, self.config.sampler.batch_size
         if mirror is not None:
-            limiter = self.config.limiter
-            if limiter.moves_balance:
-                mirror["limiter_balance"] = int(limiter.on_sample(limits.LimiterState(mirror["limiter_balance"]),
-                                                                  batch_size).balance)
+            self._move_balance(mirror, self.config.limiter.on_sample, batch_size)
             if self.config.sampler.consumes:
                 mirror["deliverable"] -= batch_size
         return delivery
@@ -767,7 +767,7 @@ class Engine:
         mirror = self._mirror
         if mirror is not None and type(mirror["deliverable"]) is int:  # every count known on the host: the usual case
             return mirror
-        if need_deliverable and self._mirror is not None and self._mirror["deliverable"] is None:
+        if need_deliverable and mirror is not None and mirror["deliverable"] is None:
             self.flush()  # its kernel reports the count
         if not self.knows(need_deliverable):
             status = self.status()
