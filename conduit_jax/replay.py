@@ -388,10 +388,18 @@ def item_ids(config: ReplayConfig, items) -> np.ndarray:
                           f"{given.dtype}{list(given.shape)}" + (f" holding {given.min()}" if given.size and
                                                                  np.issubdtype(given.dtype, np.number) else ""))
     items = given.astype(np.int64)
+    return np.stack([item_rows(config, items), items // config.num_shards // config.shard_capacity + 1],
+                    axis=-1).astype(np.int32)
+
+
+def item_rows(config: ReplayConfig, items) -> np.ndarray:
+    """Host NumPy: the global row of the ``items[i]``-th item ever ingested (``item_ids``' first column) as int32, -1
+    where ``items[i]`` is negative (no item: the end of a link). Unchecked, for a host's bookkeeping per call
+    (``item_ids`` checks its input)."""
+    items = np.asarray(items)
     shards, per_shard = config.num_shards, config.shard_capacity
-    local = items // shards
-    rows = (items % shards) * per_shard + local % per_shard
-    return np.stack([rows, local // per_shard + 1], axis=-1).astype(np.int32)
+    rows = items % per_shard if shards == 1 else (items % shards) * per_shard + (items // shards) % per_shard
+    return np.where(items >= 0, rows, -1).astype(np.int32)
 
 
 # ------------------------------------------------------------------------------------------------------------------

@@ -123,6 +123,44 @@ def test_a_continued_episode_is_one_episode_and_evicted_whole(cls):
     assert {e.id_ for e in buffer.episodes} == {"B", "C"} and buffer.get_num_episodes_evicted() == 1
 
 
+@pytest.mark.parametrize("native, conduit, longest", [(UNIFORM[0], UNIFORM[1], 70), (PRIORITIZED[0], PRIORITIZED[1], 20)],
+                         ids=["uniform", "prioritized"])
+def test_adds_of_several_chunks_evict_as_rllib(native, conduit, longest):
+    """Adds of several chunks at once (new episodes and chunks of stored ones) keep RLlib's episodes, counts and
+    evictions, add for add. Uniform chunks may be longer than the capacity, so an add can evict an episode it opened;
+    RLlib's prioritized buffer fails on an add whose new chunks alone pass the capacity, so its adds stay within."""
+    rng = np.random.default_rng(4)
+    buffers = [native(capacity=60), conduit(capacity=60)]
+    open_chunks, next_id = [], 0
+    for _ in range(60):
+        chunks = []
+        for _ in range(int(rng.integers(1, 4))):
+            if open_chunks and rng.random() < 0.4:  # a later chunk of an episode added before
+                last = open_chunks.pop(int(rng.integers(len(open_chunks))))
+                chunk = last.cut()
+                for t in range(int(rng.integers(1, longest))):
+                    chunk.add_env_step(observation=float(t), action=t, reward=0.1)
+            else:
+                chunk = episode(rng, int(rng.integers(1, longest)), f"e{next_id}")
+                chunk.is_terminated = chunk.is_truncated = False
+                next_id += 1
+            chunks.append(chunk)
+        for chunk in chunks:
+            if rng.random() < 0.7:
+                open_chunks.append(chunk)
+        for buffer in buffers:
+            buffer.add([copy_of(chunk) for chunk in chunks])
+        seen = [(b.get_num_episodes(), b.get_num_timesteps(), b.get_num_episodes_evicted(), b.get_added_timesteps(),
+                 [e.id_ for e in b.episodes], [len(e) for e in b.episodes]) for b in buffers]
+        assert seen[0] == seen[1]
+    assert buffers[0].get_num_episodes_evicted() > 10
+
+
+def copy_of(chunk):
+    """An episode chunk each buffer gets for itself (RLlib's buffer keeps, and extends, the object it was given)."""
+    return SingleAgentEpisode.from_state(chunk.get_state())
+
+
 # -- sampling ---------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("cls", PRIORITIZED, ids=by_name)
 @pytest.mark.parametrize("n", [1, 3])

@@ -167,9 +167,12 @@ def check_columns(name: str, spec, chunk: Chunk) -> None:
         raise ValueError(f"{name}.add(): episode {chunk.id_!r} has columns {sorted(chunk.columns)}, the buffer "
                          f"stores {sorted(spec.names)} (infos / extra_model_outputs keys are fixed by the first "
                          f"add; nothing was added)")
+    columns = chunk.columns
+    if all(columns[key].shape[1:] == shape and columns[key].dtype == dtype
+           for key, shape, dtype in zip(spec.names, spec.shapes, spec.dtypes)):
+        return
     # a column's bit-for-bit twin last: the message names what the user gave
-    columns = sorted(zip(spec.names, spec.shapes, spec.dtypes), key=lambda column: column[0].startswith(EXACT))
-    for key, shape, dtype in columns:
+    for key, shape, dtype in sorted(zip(spec.names, spec.shapes, spec.dtypes), key=lambda c: c[0].startswith(EXACT)):
         value = chunk.columns[key]
         if value.shape[1:] != tuple(shape) or value.dtype != dtype:
             raise ValueError(f"{name}.add(): episode {chunk.id_!r}: {key} is {value.dtype}{list(value.shape[1:])}"
@@ -178,12 +181,15 @@ def check_columns(name: str, spec, chunk: Chunk) -> None:
 
 class AddPlan(NamedTuple):
     """A checked add, laid out by ``EpisodeIndex.plan`` (and the store's ``prepare``) and applied by ``apply`` (and
-    the store's ``commit``)."""
+    the store's ``commit``). It holds what changes, not a copy of the index: planning an add costs what the add
+    touches, not the number of episodes stored."""
 
-    order: collections.deque  # the episode index afterwards, oldest first
-    live: dict
+    created: list  # StoredEpisode records the add opens, in order (an evicted one too)
+    oldest: Optional[StoredEpisode]  # the oldest episode kept afterwards (None: none)
+    episodes: int  # episodes stored afterwards
     written: list  # the chunks stored (an evicted episode's new chunks are not)
-    evicted: list  # StoredEpisode
+    evicted: list  # StoredEpisode, in eviction order
+    front: int  # how many of the oldest stored episodes are evicted (the rest of ``evicted``: given ids, or new)
     pending: dict
     timesteps: int
     added: int
@@ -195,7 +201,7 @@ class AddPlan(NamedTuple):
     spaces: tuple = (None, None)
     item: int = 0  # the next insertion index afterwards
     segments: dict = {}  # id(record) -> the (first item, count) chunks it gains
-    rows: list = []  # per written chunk: int64[4, steps] of [item, next, previous, episode's first item]
+    links: Any = None  # int64[4, steps written]: each written step's [item, next, previous, episode's first item]
     patches: list = []  # (item, next item) of each episode's last stored step that a new chunk continues
 
 
@@ -217,114 +223,155 @@ class EpisodeIndex:
         self.by_first: dict = {}
 
     def plan(self, chunks: list, evict: Optional[list] = None) -> AddPlan:
-        """RLlib's eviction, on copies of the episode index, then where each written step goes. The uniform buffer
-        follows ``EpisodeReplayBuffer.add`` (evict after each episode while more than ``capacity`` steps and more than
-        one episode are stored), the prioritized one ``PrioritizedEpisodeReplayBuffer.add`` (count every new step
-        first, evict while over capacity and more than one episode would remain, drop the new chunks of an evicted
-        episode). With ``evict`` (episode ids) the caller decided: those episodes go, nothing else does (the
-        multi-agent buffers' rule)."""
-        order, live = collections.deque(self.order), dict(self.live)
+        """RLlib's eviction, planned over the index as it is (nothing changes), then where each written step goes.
+        The uniform buffer follows ``EpisodeReplayBuffer.add`` (evict after each episode while more than ``capacity``
+        steps and more than one episode are stored), the prioritized one ``PrioritizedEpisodeReplayBuffer.add`` (count
+        every new step first, evict while over capacity and more than one episode would remain, drop the new chunks
+        of an evicted episode). With ``evict`` (episode ids) the caller decided: those episodes go, nothing else does
+        (the multi-agent buffers' rule). Both rules evict the oldest first, so the plan keeps how many of the stored
+        episodes go from the front and which episodes it opens."""
+        order, live = self.order, self.live
+        created, opened, gone = [], {}, set()  # opened: id -> record this add opens; gone: ids evicted
         pending = collections.defaultdict(int)  # id(record) -> steps this add gives it
         timesteps, added = self.num_timesteps, self.num_timesteps_added
         evicted, episodes_added, steps_added = [], 0, 0
+        front = 0  # stored episodes evicted from the front
+        taken = 0  # opened episodes evicted from the front of ``created`` (after every stored one)
+
+        def oldest():
+            if front < len(order):
+                return order[front]
+            return created[taken] if taken < len(created) else None
+
+        def count() -> int:
+            return len(order) - front + len(created) - taken
+
+        def drop_oldest():
+            nonlocal front, taken
+            old = oldest()
+            if front < len(order):
+                front += 1
+            else:
+                taken += 1
+            drop(old)
+            return old
 
         def drop(old):
-            order.remove(old)
-            del live[old.id_]
+            gone.add(old.id_)
+            if opened.get(old.id_) is old:
+                del opened[old.id_]
             evicted.append(old)
-            return old
 
         def place(chunk):
             nonlocal episodes_added
-            record = live.get(chunk.id_)
+            record = opened.get(chunk.id_)
+            if record is None and chunk.id_ not in gone:
+                record = live.get(chunk.id_)
             if record is None:
                 record = StoredEpisode(chunk.id_)
                 record.agent_id, record.module_id, record.multi_agent_episode_id = chunk.owner
                 record.t_started = chunk.t_started
-                live[chunk.id_] = record
-                order.append(record)
+                opened[chunk.id_] = record
+                created.append(record)
                 episodes_added += 1
             chunk.record = record
             pending[id(record)] += chunk.length
 
         if evict is not None:
-            for old in [live[i] for i in evict if i in live]:
-                timesteps -= drop(old).length
-            for chunk in chunks:
-                timesteps += chunk.length
-                added += chunk.length
-                steps_added += chunk.length
-                place(chunk)
-        elif not self.prioritized:
-            for chunk in chunks:
-                timesteps += chunk.length
-                added += chunk.length
-                steps_added += chunk.length
-                place(chunk)
-                while timesteps > self.capacity and len(order) > 1:
-                    old = drop(order[0])
-                    timesteps -= old.length + pending[id(old)]
-        else:
-            new_ids = [chunk.id_ for chunk in chunks]
-            timesteps += sum(chunk.length for chunk in chunks)
-            added += sum(chunk.length for chunk in chunks)
-            evicted_ids = set()
-            while timesteps > self.capacity and order and len((set(live) | set(new_ids)) - evicted_ids) != 1:
-                old = drop(order[0])
-                evicted_ids.add(old.id_)
-                if old.id_ in new_ids:  # RLlib takes back the first new chunk of an episode it evicts
-                    first = chunks[new_ids.index(old.id_)].length
-                    timesteps -= first
-                    added -= first
+            for old in [live[i] for i in dict.fromkeys(evict) if i in live]:
+                drop(old)
                 timesteps -= old.length
             for chunk in chunks:
-                if chunk.id_ in evicted_ids:
-                    continue
-                place(chunk)
+                timesteps += chunk.length
+                added += chunk.length
                 steps_added += chunk.length
-        gone = {id(record) for record in evicted}
-        written = [chunk for chunk in chunks if id(chunk.record) not in gone]
-        plan = AddPlan(order, live, written, evicted, pending, timesteps, added, episodes_added, steps_added,
-                       sum(record.length + pending[id(record)] for record in evicted))
+                place(chunk)
+            left = [record for record in order if record.id_ not in gone] if gone else order
+            first = left[0] if left else (created[0] if created else None)
+            episodes = len(left) + len(created)
+        else:
+            if not self.prioritized:
+                for chunk in chunks:
+                    timesteps += chunk.length
+                    added += chunk.length
+                    steps_added += chunk.length
+                    place(chunk)
+                    while timesteps > self.capacity and count() > 1:
+                        old = drop_oldest()
+                        timesteps -= old.length + pending[id(old)]
+            else:
+                new_ids = [chunk.id_ for chunk in chunks]
+                timesteps += sum(chunk.length for chunk in chunks)
+                added += sum(chunk.length for chunk in chunks)
+                # the distinct episodes stored or added; evicting one leaves one fewer (only stored ones go here)
+                distinct = len(live) + len({i for i in new_ids if i not in live})
+                while timesteps > self.capacity and front < len(order) and distinct - len(gone) != 1:
+                    old = drop_oldest()
+                    if old.id_ in new_ids:  # RLlib takes back the first new chunk of an episode it evicts
+                        first = chunks[new_ids.index(old.id_)].length
+                        timesteps -= first
+                        added -= first
+                    timesteps -= old.length
+                for chunk in chunks:
+                    if chunk.id_ in gone:
+                        continue
+                    place(chunk)
+                    steps_added += chunk.length
+            first, episodes = oldest(), count()
+        dropped = {id(record) for record in evicted}
+        # (a prioritized add skips the new chunks of an episode it evicts: they have no record)
+        written = [chunk for chunk in chunks if chunk.record is not None and id(chunk.record) not in dropped]
+        plan = AddPlan(created, first, episodes, written, evicted, front, pending, timesteps, added, episodes_added,
+                       steps_added, sum(record.length + pending[id(record)] for record in evicted))
         return self._lay_out(plan)
 
     def _lay_out(self, plan: AddPlan) -> AddPlan:
         """Insertion indices of the written steps and their links within their episodes."""
-        item, segments, rows, patches = self.items, collections.defaultdict(list), [], []
+        item, segments, patches = self.items, collections.defaultdict(list), []
+        total = sum(chunk.length for chunk in plan.written)
+        links = np.empty((4, total), np.int64)
+        links[0] = np.arange(item, item + total)
+        links[1] = links[0] + 1
+        links[2] = links[0] - 1
+        at = 0
         for chunk in plan.written:
             record = chunk.record
             before = record.segments + segments[id(record)]
-            steps = np.arange(item, item + chunk.length, dtype=np.int64)
-            previous = before[-1][0] + before[-1][1] - 1 if before else -1
+            end = at + chunk.length
+            links[1, end - 1] = -1
             if before:  # the episode's last stored step now continues into this chunk
+                previous = before[-1][0] + before[-1][1] - 1
                 patches.append((previous, item))
-            following, preceding = steps + 1, steps - 1
-            following[-1], preceding[0] = -1, previous
-            rows.append(np.stack([steps, following, preceding, np.full_like(steps, before[0][0] if before else item)]))
+            else:
+                previous = -1
+            links[2, at] = previous
+            links[3, at:end] = before[0][0] if before else item
             segments[id(record)].append((item, chunk.length))
             item += chunk.length
-        return plan._replace(item=item, segments=segments, rows=rows, patches=patches)
+            at = end
+        return plan._replace(item=item, segments=segments, links=links, patches=patches)
 
     @staticmethod
     def reach(plan: AddPlan) -> int:
         """How far back from the next insertion index the oldest step kept after ``plan`` lies (0: none kept); more
         than the ring holds means the add would overwrite a step RLlib keeps."""
-        if not plan.order:
+        oldest = plan.oldest
+        if oldest is None:
             return 0
-        return plan.item - (plan.order[0].segments or plan.segments[id(plan.order[0])])[0][0]
+        return plan.item - (oldest.segments or plan.segments[id(oldest)])[0][0]
 
     def apply(self, plan: AddPlan, rows: np.ndarray) -> None:
         """Make ``plan`` the index; ``rows``: the ring rows of its written steps, in order."""
         written = plan.written
         if written:
             # each written row names its episode by the insertion index of the episode's first step, and its place
-            self.owner[rows] = np.concatenate(plan.rows, axis=1)[3]
+            self.owner[rows] = plan.links[3]
             positions, reached = [], {}
             for chunk in written:
                 at = reached.get(id(chunk.record), chunk.record.length)
                 positions.append(np.arange(at, at + chunk.length))
                 reached[id(chunk.record)] = at + chunk.length
-            self.position[rows] = np.concatenate(positions)
+            self.position[rows] = positions[0] if len(positions) == 1 else np.concatenate(positions)
         for chunk in written:
             record = chunk.record
             record.length += chunk.length
@@ -332,12 +379,26 @@ class EpisodeIndex:
         for record in {id(chunk.record): chunk.record for chunk in written}.values():
             record.segments.extend(plan.segments[id(record)])
             self.by_first[record.segments[0][0]] = record
-        for record in plan.evicted:
-            if record.segments:
-                self.by_first.pop(record.segments[0][0], None)
-        self.order, self.live, self.items = plan.order, plan.live, plan.item
+        evicted = plan.evicted
+        if evicted:
+            for _ in range(plan.front):
+                self.order.popleft()
+            if len(evicted) > plan.front:  # given ids (anywhere in the order) or episodes this add opened
+                dropped = {id(record) for record in evicted[plan.front:]}
+                self.order = collections.deque(record for record in self.order if id(record) not in dropped)
+            for record in evicted:
+                if self.live.get(record.id_) is record:
+                    del self.live[record.id_]
+                if record.segments:
+                    self.by_first.pop(record.segments[0][0], None)
+        dropped = {id(record) for record in evicted}
+        for record in plan.created:
+            if id(record) not in dropped:
+                self.order.append(record)
+                self.live[record.id_] = record
+        self.items = plan.item
         self.num_timesteps, self.num_timesteps_added = plan.timesteps, plan.added
-        self.num_episodes_evicted += len(plan.evicted)
+        self.num_episodes_evicted += len(evicted)
 
     def records_at(self, rows) -> tuple[list, np.ndarray]:
         """The stored episode of each ring row in ``rows``, and the row's step index in it."""

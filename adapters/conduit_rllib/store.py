@@ -37,6 +37,7 @@ from ray.rllib.utils.metrics.metrics_logger import MetricsLogger
 from conduit_jax import ExperienceSpec, default_mesh, engine, make_buffer, samplers
 from conduit_jax import schedule as schedules
 from conduit_jax.delivery import Scheduler
+from conduit_jax import replay
 from conduit_jax.replay import compile_size
 from conduit_rllib import draws
 from conduit_rllib.batch import ConduitBatch, train_columns
@@ -274,7 +275,7 @@ class EpisodeStore(LoggedMetrics):
         back = self._index.reach(plan)
         if back > self.storage_capacity:
             raise ValueError(f"{name}.add(): after this add the buffer would keep {plan.timesteps} steps, the "
-                             f"oldest of episode {plan.order[0].id_!r} {back} steps back, more than the "
+                             f"oldest of episode {plan.oldest.id_!r} {back} steps back, more than the "
                              f"{self.storage_capacity} steps it stores; {self._ring_advice} (nothing was added)")
         return plan._replace(spec=spec, keys=dict(chunks[0].keys) if chunks else {},
                              spaces=chunks[0].spaces if chunks else (None, None))
@@ -287,12 +288,14 @@ class EpisodeStore(LoggedMetrics):
             self._keys = plan.keys
         written, rows = plan.written, None
         if written:
-            batch = {key: np.concatenate([chunk.columns[key] for chunk in written]) for key in self._spec.names}
+            names = self._spec.names  # in the spec's leaf order
+            leaves = ([written[0].columns[key] for key in names] if len(written) == 1 else
+                      [np.concatenate([chunk.columns[key] for chunk in written]) for key in names])
             count = plan.item - self._index.items
             if self._adds_steps + count > self.storage_capacity:
                 self._settle()  # the waiting links would name a ring row twice (one scatter): written first
-            self._engine.ingest(batch, count, staged=True)
-            full, patch = self._link_rows(np.concatenate(plan.rows, axis=1), plan.patches)
+            self._engine.ingest(dict(zip(names, leaves)), count, staged=True, leaves=leaves)
+            full, patch = self._link_rows(plan.links, plan.patches)
             self._adds.append((full, patch))
             self._adds_steps += full.shape[1]
             rows = full[0][full[0] < self.storage_capacity]
@@ -317,18 +320,14 @@ class EpisodeStore(LoggedMetrics):
 
     def _rows(self, items: np.ndarray) -> np.ndarray:
         """Ring rows of insertion indices; -1 (no step) stays -1."""
-        return np.where(items >= 0, self._ids(np.maximum(items, 0))[:, 0], -1).astype(np.int32)
+        return replay.item_rows(self._engine.config, items)
 
     def _link_rows(self, written: np.ndarray, patches: list):
         """``draws.link``'s arguments for an add (unpadded): for each written step [item, next, previous, episode's
         first] as rows, and the (row, next row) of each episode's last stored step that a new chunk continues."""
         patch_items = np.asarray(patches, np.int64).reshape(-1, 2).T
         rows = self._rows(np.concatenate([written.reshape(-1), patch_items.reshape(-1)]))  # one id lookup
-        full = rows[:written.size].reshape(written.shape)
-        patch = rows[written.size:].reshape(patch_items.shape)
-        for block in (full, patch):
-            block[0] = np.where(block[0] >= 0, block[0], self.storage_capacity)
-        return full, patch
+        return rows[:written.size].reshape(written.shape), rows[written.size:].reshape(patch_items.shape)
 
     # -- sample ---------------------------------------------------------------------------------------------------
     def sample(self, num_items: Optional[int] = None, *, batch_size_B: Optional[int] = None,
