@@ -209,15 +209,16 @@ class MultiAgentStore(LoggedMetrics):
             if not isinstance(episode, MultiAgentEpisode):
                 raise TypeError(f"{name}.add(): expected MultiAgentEpisode, got {type(episode).__name__} (use "
                                 f"ConduitEpisodeReplayBuffer for single-agent episodes; nothing was added)")
-        order, live = collections.deque(self._order), dict(self._live)
+        # RLlib's eviction, planned over the index as it is (the oldest go first; nothing changes before every store
+        # took its part): the distinct episodes stored or added, one fewer per eviction (only stored ones go)
+        order, live = self._order, self._live
         new_ids = [episode.id_ for episode in episodes]
         timesteps = self._num_timesteps + sum(episode.env_steps() for episode in episodes)
         added = self._num_timesteps_added + sum(episode.env_steps() for episode in episodes)
+        distinct = len(live) + len({i for i in new_ids if i not in live})
         evicted = []
-        while timesteps > self.capacity and order and \
-                len((set(live) | set(new_ids)) - {old.id_ for old in evicted}) != 1:
-            old = order.popleft()
-            del live[old.id_]
+        while timesteps > self.capacity and len(evicted) < len(order) and distinct - len(evicted) != 1:
+            old = order[len(evicted)]
             evicted.append(old)
             if old.id_ in new_ids:  # RLlib takes back the first new chunk of an episode it evicts
                 first = episodes[new_ids.index(old.id_)].env_steps()
@@ -254,8 +255,10 @@ class MultiAgentStore(LoggedMetrics):
         for module_id, store in stores.items():
             store.commit(plans[module_id])
             self._modules[module_id] = store
+        for old in evicted:
+            order.popleft()
+            del live[old.id_]
         metrics = self._count(kept, evicted, order, live)
-        self._order, self._live = order, live
         self._windows_cache = {}
         self._num_timesteps, self._num_timesteps_added = timesteps, added
         self._num_episodes_evicted += len(evicted)
