@@ -12,7 +12,7 @@ interleaved rounds so every path sees the same machine noise:
   ``SingleAgentEpisode`` chunk (RLlib's env runner adds chunks the same way);
 * learner: a torch MLP (``--hidden``) forward / backward / Adam step on the batch's ``obs`` (one torch thread); the
   native and type_swap batches' obs are read off their episodes, the others' come through DLPack
-  (``ConduitBatch.take`` + ``jax_to_torch``);
+  (``ConduitBatch.take_words`` + ``words_to_torch``);
 * exposed: the time the loop spends in ``add()``, ``sample()``, ``get_metrics()`` and ``update_priorities()`` (+
   Conduit's DLPack hand-over), per update; ``iteration``: one round's wall time per update.
 
@@ -59,7 +59,7 @@ def run(args) -> dict:
     import torch
 
     import conduit_rllib
-    from conduit_rllib.dlpack import jax_to_torch
+    from conduit_rllib.dlpack import words_to_torch
     from ray.rllib.utils.replay_buffers.prioritized_episode_buffer import PrioritizedEpisodeReplayBuffer
 
     torch.set_num_threads(1)
@@ -104,7 +104,7 @@ def run(args) -> dict:
             if name in EPISODES:
                 obs_batch = torch.as_tensor(np.stack([e.get_observations(0) for e in batch]), dtype=torch.float32)
             else:
-                obs_batch = jax_to_torch(batch.take()["obs"])
+                obs_batch = words_to_torch(batch.take_words(), batch.layout, ("obs",))["obs"]
             buffer.get_metrics()  # RLlib's DQN reads the buffer's metrics after every sample()
             exposed += time.perf_counter() - t
             td = learn(obs_batch)

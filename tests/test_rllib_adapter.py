@@ -179,7 +179,9 @@ def _check_transitions(columns, n, gamma):
 
 
 def _torch_columns(batch: ConduitBatch):
-    return {k: dlpack.jax_to_torch(v).numpy() if v.dtype != jnp.bfloat16 else None for k, v in batch.take().items()}
+    """A torch learner's columns of ``batch`` (``words_to_torch``, what ``ConduitDQNTorchLearner`` takes), as NumPy."""
+    columns = dlpack.words_to_torch(batch.take_words(), batch.layout, batch.names)
+    return {k: v.numpy() if v.dtype != torch.bfloat16 else None for k, v in columns.items()}
 
 
 def test_draw_arguments_travel_in_one_array_bit_for_bit():
@@ -227,6 +229,42 @@ def test_buffer_n_step_transitions_match_reference(cls):
     assert set(np.unique(columns["n_step"])) <= {1, 2, 3}
     with pytest.raises(ValueError, match="n_step"):
         buffer.sample(num_items=32, n_step=(3, 3), gamma=gamma, sample_episodes=True)
+
+
+def test_a_torch_batch_crosses_in_one_dlpack_hand_over_as_views_of_its_words():
+    """deliver="torch": the draw kernel packs the columns into one int32 array; ``words_to_torch`` gives each column
+    as a view of that one array (zero-copy), the same values as the JAX columns ``take()`` unpacks, bit for bit, for
+    4-, 2- and 1-byte columns (float16 and bool model outputs, uint8 frames) and only the columns asked for."""
+    rng = np.random.default_rng(0)
+    chunks = []
+    for c in range(4):
+        length = 6 + c
+        chunks.append(SingleAgentEpisode(
+            observations=[rng.integers(0, 255, (2, 3), np.uint8) for _ in range(length + 1)],
+            actions=[np.int64(t % 3) for t in range(length)], rewards=list(rng.normal(size=length).astype(np.float32)),
+            extra_model_outputs={"q": [np.float16(rng.normal()) for _ in range(length)],
+                                 "greedy": [bool(t % 2) for t in range(length)]},
+            terminated=True, len_lookback_buffer=0))
+    buffer = conduit_rllib.ConduitPrioritizedEpisodeReplayBuffer(capacity=64, alpha=0.6, deliver="torch", seed=2)
+    buffer.add(chunks)
+    batch = buffer.sample(num_items=8, n_step=2, beta=0.4, include_extra_model_outputs=True)
+    assert {"obs", "new_obs", "actions", "rewards", "weights", "extra__q", "extra__greedy"} <= set(batch.names)
+    words = batch.take_words()
+    columns = dlpack.words_to_torch(words, batch.layout, batch.names)
+    unpacked = ConduitBatch(words, batch.layout, batch.names, "default_policy", 8).take()
+    assert set(columns) == set(unpacked) == set(batch.names)
+    start = words.unsafe_buffer_pointer()
+    for name, tensor in columns.items():
+        want = np.asarray(unpacked[name])
+        assert tensor.shape == want.shape and dlpack.numpy_dtype(tensor.dtype) == want.dtype, name
+        assert tensor.numpy().tobytes() == want.tobytes(), name
+        assert start <= tensor.data_ptr() < start + words.nbytes, name  # a view of the words
+    assert columns["obs"].dtype == torch.uint8 and columns["extra__greedy"].dtype == torch.bool
+    assert columns["extra__q"].dtype == torch.float16
+    plain = buffer.sample(num_items=8, n_step=2, beta=0.4)
+    assert not any(name.startswith("extra__") for name in plain.names)
+    with pytest.raises(RuntimeError, match="already taken"):
+        batch.take_words()
 
 
 def test_buffer_returns_rllib_episodes_and_n_step_one():

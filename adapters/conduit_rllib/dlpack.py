@@ -49,6 +49,17 @@ for _name, _np in (("uint16", np.uint16), ("uint32", np.uint32), ("uint64", np.u
         _TORCH_TO_NUMPY[getattr(torch, _name)] = np.dtype(_np)
 
 
+_NUMPY_TO_TORCH = {dtype: torch_dtype for torch_dtype, dtype in _TORCH_TO_NUMPY.items()}
+
+
+def torch_dtype(dtype) -> torch.dtype:
+    """The torch dtype of a NumPy (or ml_dtypes bfloat16) dtype."""
+    try:
+        return _NUMPY_TO_TORCH[np.dtype(dtype)]
+    except KeyError:
+        raise TypeError(f"conduit_rllib.dlpack: dtype {dtype} has no torch counterpart") from None
+
+
 def numpy_dtype(dtype: torch.dtype) -> np.dtype:
     """The NumPy (ml_dtypes for bfloat16) dtype of a torch dtype."""
     try:
@@ -96,6 +107,28 @@ def jax_to_torch(x: jax.Array, *, device: Optional[torch.device] = None, copy: b
     if device is not None and tensor.device != torch.device(device):
         return tensor.to(device)
     return tensor.clone() if copy else tensor
+
+
+def words_to_torch(words: jax.Array, layout, names, *, device: Optional[torch.device] = None) -> dict:
+    """The columns ``names`` of a packed batch (``layout.pack``'s words as int32[B, layout.row_words], a core
+    ``RowLayout``) as torch tensors: the words cross once (``jax_to_torch``: zero-copy on their device) and each column
+    is a view of them, reinterpreted as its dtype (1- and 2-byte columns from the words' bytes). Each column costs one
+    indexing of the words viewed as its dtype (a torch operation costs about a microsecond)."""
+    table = jax_to_torch(words, device=device)
+    rows, typed, out = table.shape[0], {}, {}
+    for name in names:
+        index = layout.spec.names.index(name)
+        slot, shape, dtype = layout.slots[index], layout.spec.shapes[index], layout.spec.dtypes[index]
+        view = typed.get(dtype)
+        if view is None:  # the words as elements of this dtype: [B, row_words * per_word]
+            view = typed[dtype] = (table if slot.per_word == 1 else table.view(torch.uint8)).view(torch_dtype(dtype))
+        first = slot.offset * slot.per_word
+        if not shape:
+            out[name] = view[:, first]
+        else:
+            part = view[:, first:first + slot.elems]
+            out[name] = part if len(shape) == 1 else part.reshape(rows, *shape)
+    return out
 
 
 def torch_to_jax(t: torch.Tensor, *, copy: bool = True, narrow: bool = True) -> jax.Array:

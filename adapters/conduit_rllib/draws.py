@@ -32,8 +32,9 @@ import jax.numpy as jnp
 import numpy as np
 from ray.rllib.core.columns import Columns
 
-from conduit_jax import samplers
+from conduit_jax import ExperienceSpec, samplers
 from conduit_jax.replay import compile_size
+from conduit_jax.storage import RowLayout
 from conduit_rllib.episode_index import EXACT, unbits
 
 MOST_CANDIDATES = 1 << 14  # PER's redraw: steps one draw kernel takes by priority at most (beyond 64 x the batch)
@@ -249,6 +250,32 @@ def make_draw(buffer_for, names, prioritized: bool, candidates: int, size: int, 
         return state, columns, delivery.ids[order], fitting
 
     return draw
+
+
+PACKED = "packed"  # the one column of a packed draw (``packed_draw``)
+
+
+def train_layout(buffer, draw, links_shape: tuple, arguments: int) -> RowLayout:
+    """The layout ``packed_draw`` packs ``draw``'s columns in: every column but the float64 twins (a torch learner
+    trains on the float32 values), from the draw's output types (``jax.eval_shape``: traced, not run)."""
+    state = jax.eval_shape(buffer.init)
+    links = jax.ShapeDtypeStruct(links_shape, jnp.int32)
+    _, columns, _, _ = jax.eval_shape(draw, state, links, jax.ShapeDtypeStruct((arguments,), jnp.int32))
+    return RowLayout.of(ExperienceSpec.from_structs({k: jax.ShapeDtypeStruct(v.shape[1:], v.dtype)
+                                                     for k, v in columns.items() if not k.startswith(EXACT)}))
+
+
+def packed_draw(draw, layout: RowLayout):
+    """``draw`` with its columns packed into one int32[B, layout.row_words] array (``RowLayout.pack``, as int32 for
+    torch), the one column ``PACKED``: a torch learner takes it in one DLPack hand-over and views each column in it
+    (``dlpack.words_to_torch``), and the kernel has one output where it had one per column."""
+
+    def packed(state, links, arguments):
+        state, columns, ids, fitting = draw(state, links, arguments)
+        words = layout.pack({k: columns[k] for k in layout.spec.names})
+        return state, {PACKED: jax.lax.bitcast_convert_type(words, jnp.int32)}, ids, fitting
+
+    return packed
 
 
 def stream_argument(seed: int, counter: int) -> np.ndarray:

@@ -1,10 +1,11 @@
 """Learners that take a Conduit batch through DLPack instead of running RLlib's learner connector on episodes.
 
 With ``replay_buffer_config["deliver"] = "torch"`` a Conduit buffer's ``sample()`` returns a ``ConduitBatch`` (the
-train-batch columns as JAX arrays, already n-step transformed and weighted by the plane's kernels). RLlib's DQN / SAC
-``training_step`` hands it, unchanged, to ``learner_group.update(episodes=...)``; these learners recognise it and
-build the torch ``MultiAgentBatch`` from it with ``jax_to_torch`` (zero-copy on the learner's device when the plane
-delivers there; see ``dlpack.py``), skipping episode reconstruction and the connector pipeline
+train-batch columns, already n-step transformed and weighted by the plane's kernels, packed in one JAX array). RLlib's
+DQN / SAC ``training_step`` hands it, unchanged, to ``learner_group.update(episodes=...)``; these learners recognise
+it and build the torch ``MultiAgentBatch`` from it with ``words_to_torch`` (one DLPack hand-over, zero-copy on the
+learner's device when the plane delivers there, and a view per column; see ``dlpack.py``), skipping episode
+reconstruction and the connector pipeline
 (``AddObservationsFromEpisodesToBatch`` ... ``NumpyToTensor``). Everything else (episodes from env runners, other
 data) goes through RLlib's own path. RLlib's algorithm code is not changed; select with
 ``config.training(learner_class=ConduitDQNTorchLearner)``.
@@ -23,7 +24,7 @@ from ray.rllib.core.learner.learner import Learner
 from ray.rllib.policy.sample_batch import MultiAgentBatch, SampleBatch
 
 from conduit_rllib.batch import ConduitBatch
-from conduit_rllib.dlpack import jax_to_torch
+from conduit_rllib.dlpack import words_to_torch
 
 if not hasattr(Learner, "_make_batch_if_necessary"):  # pragma: no cover - guards an RLlib upgrade
     raise ImportError("conduit_rllib.learners needs ray.rllib Learner._make_batch_if_necessary (ray 2.60)")
@@ -38,7 +39,7 @@ class ConduitLearnerMixin:
         episodes = training_data.episodes
         if isinstance(episodes, ConduitBatch):
             start = time.perf_counter()
-            columns = {key: jax_to_torch(value, device=self._device) for key, value in episodes.take().items()}
+            columns = words_to_torch(episodes.take_words(), episodes.layout, episodes.names, device=self._device)
             batch = MultiAgentBatch({episodes.module_id: SampleBatch(columns)}, env_steps=len(episodes))
             self.conduit_batch_seconds += time.perf_counter() - start
             return batch

@@ -57,6 +57,7 @@ _KNOWN_KWARGS = {"type", "metrics_num_episodes_for_smoothing"}
 CLASS_ARGUMENTS = ("prioritized", "redraws", "label", "ring_advice", "config_ignored")
 _BUFFERS: dict = {}  # (layout, sampler batch size) -> functional Buffer; the state is each buffer's own
 _KERNELS: dict = {}  # layout -> the compiled kernels of its stores' engines (one cache, shared)
+_TRAIN_LAYOUTS: dict = {}  # layout -> the RowLayout a deliver="torch" draw packs its columns in (draws.train_layout)
 
 
 # the words RLlib's "schedule" key takes, for the core's schedules (``conduit_jax.schedule``) a store runs through
@@ -215,9 +216,18 @@ class EpisodeStore(LoggedMetrics):
     def _step(self, kind: str, static: tuple):
         """The pure draw ``kind`` over the core's state and the links (``draws.py``)."""
         if kind == "draw":
-            return draws.make_draw(self._buffer, self._spec.names, self._prioritized, *static)
+            draw = draws.make_draw(self._buffer, self._spec.names, self._prioritized, *static)
+            return draws.packed_draw(draw, self._train_layout(draw, static)) if self.deliver == "torch" else draw
         make = {"sequences": draws.make_sequences, "slices": draws.make_slices, "gather": draws.make_gather}[kind]
         return make(self._buffer, self._spec.names, *static)
+
+    def _train_layout(self, draw, static: tuple):
+        """The layout a deliver="torch" draw packs its columns in (the same for every draw of this layout)."""
+        layout = _TRAIN_LAYOUTS.get(self._layout())
+        if layout is None:
+            layout = _TRAIN_LAYOUTS[self._layout()] = draws.train_layout(
+                self._buffer(static[0]), draw, (3, self.storage_capacity), static[0] + 4)
+        return layout
 
     def _waiting_adds(self) -> np.ndarray:
         """The links and retirements of the adds since the last kernel as ``draws.with_adds``' packed argument, taken:
@@ -360,8 +370,9 @@ class EpisodeStore(LoggedMetrics):
         mean_n = float(np.mean(n_step)) if isinstance(n_step, (tuple, list)) else float(n_step or 1)
         self._logged.sampled(self, size, mean_n, resamples)
         if self.deliver == "torch":
-            out = ConduitBatch(train_columns(drawn.columns, include_infos, include_extra_model_outputs),
-                               DEFAULT_MODULE_ID, size)
+            layout = _TRAIN_LAYOUTS[self._layout()]
+            names = list(train_columns(dict.fromkeys(layout.spec.names), include_infos, include_extra_model_outputs))
+            out = ConduitBatch(drawn.columns[draws.PACKED], layout, names, DEFAULT_MODULE_ID, size)
         else:
             out = self.episodes_of(drawn, to_numpy, include_infos, include_extra_model_outputs)
         self.timings["sample"] += time.perf_counter() - start
