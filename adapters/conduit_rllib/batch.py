@@ -20,7 +20,7 @@ class ConduitBatch(list):
     learner to configure."""
 
     def __init__(self, words, layout, names, module_id: str, size: int):
-        super().__init__(_Placeholder() for _ in range(size))
+        super().__init__([_PLACEHOLDER] * size)
         self._words, self.layout, self.names = words, layout, tuple(names)
         self.module_id = module_id
 
@@ -48,6 +48,9 @@ class _Placeholder:
             "This batch came from a Conduit replay buffer with deliver='torch': it holds JAX columns, not episodes. "
             "Train with a local Conduit learner (num_learners=0 and config.training(learner_class=conduit_rllib."
             "ConduitDQNTorchLearner or ConduitSACTorchLearner)) or set replay_buffer_config['deliver'] = 'episodes'.")
+
+
+_PLACEHOLDER = _Placeholder()  # holds nothing: one serves every batch
 
 
 def train_columns(columns: dict, infos: bool, extras: bool) -> dict:

@@ -164,6 +164,7 @@ class EpisodeStore(LoggedMetrics):
         # per n-step range (PER's redraw): the share of drawn candidates whose window fitted, smoothed; sizes the
         # next draw (1.0 until a draw says otherwise)
         self._fit_share: dict = {}
+        self._names: dict = {}  # (infos, extras) -> (packed layout, the columns handed over): _train_names
 
     @property
     def episodes(self) -> list:
@@ -228,6 +229,16 @@ class EpisodeStore(LoggedMetrics):
             layout = _TRAIN_LAYOUTS[self._layout()] = draws.train_layout(
                 self._buffer(static[0]), draw, (3, self.storage_capacity), static[0] + 4)
         return layout
+
+    def _train_names(self, infos: bool, extras: bool) -> tuple:
+        """The packed layout of this store's deliver="torch" draws and the columns a sample asking for ``infos`` /
+        ``extras`` hands over (``train_columns``), kept per request kind."""
+        names = self._names.get((infos, extras))
+        if names is None:
+            layout = _TRAIN_LAYOUTS[self._layout()]
+            names = self._names[infos, extras] = (layout, tuple(train_columns(dict.fromkeys(layout.spec.names),
+                                                                              infos, extras)))
+        return names
 
     def _waiting_adds(self) -> np.ndarray:
         """The links and retirements of the adds since the last kernel as ``draws.with_adds``' packed argument, taken:
@@ -370,8 +381,7 @@ class EpisodeStore(LoggedMetrics):
         mean_n = float(np.mean(n_step)) if isinstance(n_step, (tuple, list)) else float(n_step or 1)
         self._logged.sampled(self, size, mean_n, resamples)
         if self.deliver == "torch":
-            layout = _TRAIN_LAYOUTS[self._layout()]
-            names = list(train_columns(dict.fromkeys(layout.spec.names), include_infos, include_extra_model_outputs))
+            layout, names = self._train_names(bool(include_infos), bool(include_extra_model_outputs))
             out = ConduitBatch(drawn.columns[draws.PACKED], layout, names, DEFAULT_MODULE_ID, size)
         else:
             out = self.episodes_of(drawn, to_numpy, include_infos, include_extra_model_outputs)
@@ -536,12 +546,12 @@ class EpisodeStore(LoggedMetrics):
         if values.shape[0] != self._last_ids.shape[0]:
             raise ValueError(f"{name}.update_priorities(): {values.shape[0]} priorities for a batch of "
                              f"{self._last_ids.shape[0]} steps")
-        if not np.all(np.isfinite(values)):
+        if not np.isfinite(values).all():
             raise ValueError(f"{name}.update_priorities(): priorities must be finite, got "
                              f"{values[~np.isfinite(values)][:4].tolist()} (nothing was updated)")
         ids = np.asarray(self._last_ids)
         named = (ids[:, 0] >= 0) & (ids[:, 1] >= 1)  # a refused draw's -1 ids name no step (skipped, as there)
-        update = (ids[named].astype(np.int32), values[named])
+        update = (ids, values) if named.all() else (ids[named], values[named])
         # RLlib's order: an add made before this update is in the buffer first (its new steps take the largest
         # priority seen before the update; the steps it evicted are gone, their updates skipped)
         scheduler = self._scheduler
