@@ -647,6 +647,10 @@ def parse_args(argv) -> argparse.Namespace:
                              "--quick 2)")
     parser.add_argument("--jax-sync-dispatch", action="store_true",
                         help="jax_cpu_enable_async_dispatch=False (each JAX call's time lands in the call that made it)")
+    parser.add_argument("--xla-threads", default="1",
+                        help="XLA:CPU's intra-op pool for Conduit's kernels, set with conduit_jax.runtime.configure_cpu "
+                             "as the README asks of a program using Conduit (default 1; 'default': XLA's own, one per "
+                             "CPU, as runs before this option)")
     parser.add_argument("--out", default=None, help="the JSON result (default experiments/results/rllib_compare_"
                                                     "<algo>[_quick].json); the PNG goes next to it")
     parser.add_argument("--from-json", default=None, help="re-summarize and re-plot a saved result, then exit")
@@ -698,10 +702,13 @@ def main(argv=None) -> dict:
         print(_table(result["summary"]))
         print(f"wrote {out} and {png}")
         return result
-    if args.jax_sync_dispatch:
-        import jax
+    from conduit_jax import runtime
 
-        jax.config.update("jax_cpu_enable_async_dispatch", False)
+    # the process's JAX settings, made before anything starts JAX (RLlib's native path does not use JAX); a second
+    # run in one process (conduit experiment breakdown: DQN, then SAC) keeps the first one's
+    xla = runtime.configure_cpu(None if args.xla_threads == "default" else int(args.xla_threads),
+                                async_dispatch=not args.jax_sync_dispatch) if not runtime.backend_started() else \
+        "set by an earlier run in this process"
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import torch
@@ -729,7 +736,8 @@ def main(argv=None) -> dict:
     result = {"command": command, "environment": ENVS[args.algo], "paper_reference_8xA100": PAPER,
               "config": {k: v for k, v in vars(args).items() if k not in ("out", "from_json")},
               "summary": summary, "runs": runs, "wall_s": time.perf_counter() - started_all,
-              "versions": _versions(), "machine": {"cpu_count": os.cpu_count(), "load_average": list(os.getloadavg())}}
+              "versions": _versions(), "runtime": xla,
+              "machine": {"cpu_count": os.cpu_count(), "load_average": list(os.getloadavg())}}
     print(_table(summary))
     out = Path(args.out) if args.out else default_out(args.algo, args.quick)
     png = write(result, out)
