@@ -12,7 +12,8 @@
 * Checkpoints with the buffer (``store_buffer_in_checkpoints``): ``ConduitDQN``, ``ConduitSAC``,
   ``with_buffer_checkpoints(Algo)`` -- ``algorithms.py`` / ``checkpoint.py``; ``ConduitSACConfig`` lets SAC's config
   validation accept a Conduit buffer type.
-* The DLPack bridge: ``jax_to_torch``, ``torch_to_jax`` and what is zero-copy -- ``dlpack.py``.
+* The DLPack bridge: ``jax_to_torch``, ``torch_to_jax``, ``words_to_torch`` (a packed ``ConduitBatch``'s columns)
+  and what is zero-copy -- ``dlpack.py``.
 
 This package is the only place where Conduit code imports torch or ray; ``conduit_jax`` never does.
 """
@@ -22,7 +23,7 @@ from conduit_rllib.buffers import (ConduitBatch, ConduitEpisodeReplayBuffer, Con
                                    ConduitPrioritizedEpisodeReplayBuffer)
 from conduit_rllib.algorithms import ConduitDQN, ConduitSAC, ConduitSACConfig, with_buffer_checkpoints
 from conduit_rllib.checkpoint import BufferCheckpointError, BufferCheckpointMixin, load_buffer, save_buffer
-from conduit_rllib.dlpack import jax_shards_to_torch, jax_to_torch, shares_memory, torch_to_jax
+from conduit_rllib.dlpack import jax_shards_to_torch, jax_to_torch, shares_memory, torch_to_jax, words_to_torch
 from conduit_rllib.learners import ConduitDQNTorchLearner, ConduitLearnerMixin, ConduitSACTorchLearner
 from conduit_rllib.ppo import ConduitGAE, ConduitPPOTorchLearner, EpochStaging
 
@@ -34,5 +35,5 @@ __all__ = [
     "ConduitMultiAgentPrioritizedEpisodeReplayBuffer", "ConduitPPOTorchLearner",
     "ConduitPrioritizedEpisodeReplayBuffer", "ConduitSAC", "ConduitSACConfig", "ConduitSACTorchLearner", "EpochStaging",
     "jax_shards_to_torch", "jax_to_torch", "load_buffer", "save_buffer", "shares_memory", "torch_to_jax",
-    "with_buffer_checkpoints",
+    "with_buffer_checkpoints", "words_to_torch",
 ]

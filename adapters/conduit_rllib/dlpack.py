@@ -4,7 +4,8 @@ Which paths are zero-copy (checked by ``tests/test_rllib_adapter.py`` comparing 
 
 * ``jax_to_torch(x)`` for an array on one device (an unsharded array, one shard of a sharded array, or a fully
   replicated array, whose first shard is used): zero-copy for every dtype a plane stores (bool, uint8, int8,
-  uint16, int16, uint32, int32, float16, bfloat16, float32). The tensor is *writable* and aliases JAX memory, which
+  uint16, int16, uint32, int32, float16, bfloat16, float32; on the CPU through NumPy's buffer protocol for the dtypes
+  ``torch.from_numpy`` takes, fewer steps than DLPack). The tensor is *writable* and aliases JAX memory, which
   JAX assumes immutable: hand over only arrays nothing else reads afterwards (a fresh delivery, a kernel output), or
   pass ``copy=True``. Moving to another torch device (``device=``) copies.
 * ``jax_to_torch(x)`` for an array split over several devices: one copy (``torch.cat`` of the zero-copy shard views);
