@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import conduit_jax as cj
-from conduit_jax import engine, limits, placement, samplers
+from conduit_jax import engine, limits, placement, replay, samplers
 
 SPEC = {"g": jax.ShapeDtypeStruct((), jnp.int32), "obs": jax.ShapeDtypeStruct((3,), jnp.float32)}
 
@@ -323,6 +323,8 @@ def test_item_ids_read_and_retire(shards):
     state = jax.jit(buffer.ingest)(buffer.init(3), items(0, 40))  # items 8..39 live
     ids = buffer.item_ids(np.arange(40))
     np.testing.assert_array_equal(ids, expected_ids(np.arange(40), shards, capacity // shards))
+    # the rows alone (a host's bookkeeping): the ids' first column, -1 for a negative item (no item)
+    np.testing.assert_array_equal(replay.item_rows(buffer.config, np.r_[np.arange(40), -1]), np.r_[ids[:, 0], -1])
     data = jax.jit(buffer.read)(state, ids[8:, 0])
     np.testing.assert_array_equal(np.asarray(data["g"]), np.arange(8, 40))
     np.testing.assert_array_equal(np.asarray(data["obs"]), np.asarray(items(8, 32)["obs"]))

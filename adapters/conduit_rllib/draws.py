@@ -255,12 +255,14 @@ def make_draw(buffer_for, names, prioritized: bool, candidates: int, size: int, 
 PACKED = "packed"  # the one column of a packed draw (``packed_draw``)
 
 
-def train_layout(buffer, draw, links_shape: tuple, arguments: int) -> RowLayout:
-    """The layout ``packed_draw`` packs ``draw``'s columns in: every column but the float64 twins (a torch learner
-    trains on the float32 values), from the draw's output types (``jax.eval_shape``: traced, not run)."""
+def train_layout(buffer, draw, links_shape: tuple, candidates: int) -> RowLayout:
+    """The layout ``packed_draw`` packs ``draw``'s columns in (a ``make_draw`` of ``candidates``): every column but the
+    float64 twins (a torch learner trains on the float32 values), from the draw's output types (``jax.eval_shape``:
+    traced, not run)."""
     state = jax.eval_shape(buffer.init)
     links = jax.ShapeDtypeStruct(links_shape, jnp.int32)
-    _, columns, _, _ = jax.eval_shape(draw, state, links, jax.ShapeDtypeStruct((arguments,), jnp.int32))
+    arguments = draw_arguments(np.zeros(candidates, np.int32), 0.0, 0.0, 0, 0)
+    _, columns, _, _ = jax.eval_shape(draw, state, links, jax.ShapeDtypeStruct(arguments.shape, jnp.int32))
     return RowLayout.of(ExperienceSpec.from_structs({k: jax.ShapeDtypeStruct(v.shape[1:], v.dtype)
                                                      for k, v in columns.items() if not k.startswith(EXACT)}))
 

@@ -186,7 +186,6 @@ class AddPlan(NamedTuple):
 
     created: list  # StoredEpisode records the add opens, in order (an evicted one too)
     oldest: Optional[StoredEpisode]  # the oldest episode kept afterwards (None: none)
-    episodes: int  # episodes stored afterwards
     written: list  # the chunks stored (an evicted episode's new chunks are not)
     evicted: list  # StoredEpisode, in eviction order
     front: int  # how many of the oldest stored episodes are evicted (the rest of ``evicted``: given ids, or new)
@@ -286,9 +285,7 @@ class EpisodeIndex:
                 added += chunk.length
                 steps_added += chunk.length
                 place(chunk)
-            left = [record for record in order if record.id_ not in gone] if gone else order
-            first = left[0] if left else (created[0] if created else None)
-            episodes = len(left) + len(created)
+            first = next((record for record in order if record.id_ not in gone), created[0] if created else None)
         else:
             if not self.prioritized:
                 for chunk in chunks:
@@ -308,20 +305,20 @@ class EpisodeIndex:
                 while timesteps > self.capacity and front < len(order) and distinct - len(gone) != 1:
                     old = drop_oldest()
                     if old.id_ in new_ids:  # RLlib takes back the first new chunk of an episode it evicts
-                        first = chunks[new_ids.index(old.id_)].length
-                        timesteps -= first
-                        added -= first
+                        taken_back = chunks[new_ids.index(old.id_)].length
+                        timesteps -= taken_back
+                        added -= taken_back
                     timesteps -= old.length
                 for chunk in chunks:
                     if chunk.id_ in gone:
                         continue
                     place(chunk)
                     steps_added += chunk.length
-            first, episodes = oldest(), count()
+            first = oldest()
         dropped = {id(record) for record in evicted}
         # (a prioritized add skips the new chunks of an episode it evicts: they have no record)
         written = [chunk for chunk in chunks if chunk.record is not None and id(chunk.record) not in dropped]
-        plan = AddPlan(created, first, episodes, written, evicted, front, pending, timesteps, added, episodes_added,
+        plan = AddPlan(created, first, written, evicted, front, pending, timesteps, added, episodes_added,
                        steps_added, sum(record.length + pending[id(record)] for record in evicted))
         return self._lay_out(plan)
 

@@ -34,10 +34,9 @@ from ray.rllib.env.single_agent_episode import SingleAgentEpisode
 from ray.rllib.utils import force_list
 from ray.rllib.utils.metrics.metrics_logger import MetricsLogger
 
-from conduit_jax import ExperienceSpec, default_mesh, engine, make_buffer, samplers
+from conduit_jax import ExperienceSpec, default_mesh, engine, make_buffer, replay, samplers
 from conduit_jax import schedule as schedules
 from conduit_jax.delivery import Scheduler
-from conduit_jax import replay
 from conduit_jax.replay import compile_size
 from conduit_rllib import draws
 from conduit_rllib.batch import ConduitBatch, train_columns
@@ -197,6 +196,7 @@ class EpisodeStore(LoggedMetrics):
             self._engine.state = state
         self._given = set()
         self._links = jnp.full((3, self.storage_capacity), -1, jnp.int32)
+        self._adds_fill = draws.adds_fill(self.storage_capacity)[:, None]  # _waiting_adds' padding, per row
 
     _OUTPUTS = {"settle": 0, "draw": 3, "sequences": 1, "slices": 4, "gather": 1}  # after links
 
@@ -227,7 +227,7 @@ class EpisodeStore(LoggedMetrics):
         layout = _TRAIN_LAYOUTS.get(self._layout())
         if layout is None:
             layout = _TRAIN_LAYOUTS[self._layout()] = draws.train_layout(
-                self._buffer(static[0]), draw, (3, self.storage_capacity), static[0] + 4)
+                self._buffer(static[0]), draw, (3, self.storage_capacity), static[0])
         return layout
 
     def _train_names(self, infos: bool, extras: bool) -> tuple:
@@ -245,17 +245,19 @@ class EpisodeStore(LoggedMetrics):
         the three blocks padded to the staged block's rows for the widest (``engine.staged_rows``; past a ring
         ``compile_size``), with rows past the ring (links, dropped) and -1 ids (retire, ignored). The written steps'
         links are as many as the staged rows, patches and retirements mostly fewer: one variant per staged bucket."""
-        ring, adds, gone = self.storage_capacity, self._adds, self._retiring
+        adds, gone = self._adds, self._retiring
         self._adds, self._adds_steps, self._retiring = [], 0, []
         blocks = ([f for f, _ in adds], [p for _, p in adds], [ids.T for ids in gone])
         widths = [sum(block.shape[1] for block in parts) for parts in blocks]
         size = engine.staged_rows(max(widths), self.num_shards, self._engine.config.shard_capacity)
         size = size if size >= max(widths) else compile_size(max(widths))  # retirements of more than a ring
         packed = np.empty((sum(draws.ADDS_ROWS), size), np.int32)
-        packed[:] = draws.adds_fill(ring)[:, None]
+        packed[:] = self._adds_fill
         top = 0
         for parts, width, rows in zip(blocks, widths, draws.ADDS_ROWS):
-            if parts:
+            if len(parts) == 1:
+                packed[top:top + rows, :width] = parts[0]
+            elif parts:
                 np.concatenate(parts, axis=1, out=packed[top:top + rows, :width])
             top += rows
         return packed
@@ -319,7 +321,7 @@ class EpisodeStore(LoggedMetrics):
             full, patch = self._link_rows(plan.links, plan.patches)
             self._adds.append((full, patch))
             self._adds_steps += full.shape[1]
-            rows = full[0][full[0] < self.storage_capacity]
+            rows = full[0]
         gone = [record.items() for record in plan.evicted if record.segments]
         if gone:
             ids = self._ids(np.concatenate(gone))
